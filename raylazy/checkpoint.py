@@ -1,0 +1,181 @@
+"""Find a checkpoint's safetensors files, read their headers and the model's config.json.
+
+A model directory is one of: a single `model.safetensors`; a
+`model.safetensors.index.json` and the shards its `weight_map` names (as
+transformers' `save_pretrained` writes them); or a set of `*.safetensors` files.
+A path to one `.safetensors` file is accepted too.
+
+Shards must be plain file names inside the directory. Symbolic links are followed
+(the Hugging Face cache links each shard to a blob elsewhere), but only names the
+directory itself lists are ever opened, and whatever they point to must parse as a
+valid safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+from .errors import (
+    CheckpointNotFoundError,
+    DuplicateTensorError,
+    IndexFileError,
+    MissingShardError,
+    MissingTensorError,
+    ModelConfigError,
+    UnsafePathError,
+)
+from .header import FileHeader, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a transformers `config.json` that decide how tensors are sharded."""
+
+    model_type: str | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    num_hidden_layers: int | None = None
+    intermediate_size: int | None = None
+    num_experts: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        if isinstance(raw.get("text_config"), dict):  # multimodal wrappers keep the LM config here
+            raw = {**raw["text_config"], "model_type": raw.get("model_type")}
+        values = {"model_type": raw.get("model_type")}
+        if values["model_type"] is not None and not isinstance(values["model_type"], str):
+            raise ModelConfigError(f"{source}: model_type must be a string, got {values['model_type']!r}")
+        aliases = {"num_experts": ("num_local_experts", "num_experts", "n_routed_experts")}
+        for f in fields(cls):
+            if f.name == "model_type":
+                continue
+            value = next((raw[k] for k in aliases.get(f.name, (f.name,)) if raw.get(k) is not None), None)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ModelConfigError(f"{source}: {f.name} must be a positive integer, got {value!r}")
+            values[f.name] = value
+        if values["num_key_value_heads"] is None:
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        if values["head_dim"] is None and values["hidden_size"] and values["num_attention_heads"]:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's files (headers only, sorted by name) and its model config."""
+
+    root: str
+    files: tuple[FileHeader, ...]
+    config: ModelConfig
+
+    def tensors(self) -> Iterator[tuple[int, TensorInfo]]:
+        """Every tensor with the index of the file that holds it."""
+        for i, f in enumerate(self.files):
+            for t in f.tensors:
+                yield i, t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self.tensors())
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+    """Discover the safetensors files of `model_dir`, validate their headers and read config.json."""
+    path = os.path.abspath(os.fspath(model_dir))
+    if os.path.isfile(path):
+        root, names, weight_map = os.path.dirname(path), [os.path.basename(path)], None
+    elif os.path.isdir(path):
+        root = path
+        names, weight_map = _discover(root)
+    else:
+        raise CheckpointNotFoundError(f"{path}: no such file or directory")
+    headers = tuple(read_header(os.path.join(root, n)) for n in names)
+    _cross_check(root, names, headers, weight_map)
+    return Checkpoint(root=root, files=headers, config=_read_config(root))
+
+
+def _discover(root: str) -> tuple[list[str], dict[str, str] | None]:
+    index = os.path.join(root, INDEX_NAME)
+    if os.path.exists(index):
+        weight_map = _read_index(index)
+        names = sorted(set(weight_map.values()))
+        for n in names:
+            if not os.path.isfile(os.path.join(root, n)):
+                raise MissingShardError(f"{index}: shard {n!r} is not in {root}")
+        return names, weight_map
+    if os.path.isfile(os.path.join(root, SINGLE_NAME)):
+        return [SINGLE_NAME], None
+    names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors") and os.path.isfile(os.path.join(root, n)))
+    if not names:
+        raise CheckpointNotFoundError(
+            f"{root}: no {INDEX_NAME}, no {SINGLE_NAME} and no *.safetensors files; point raylazy at a model directory"
+        )
+    return names, None
+
+
+def _read_index(index: str) -> dict[str, str]:
+    try:
+        with open(index, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8
+        raise IndexFileError(f"{index}: not valid UTF-8 JSON: {str(e)[:200]}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise IndexFileError(f"{index}: 'weight_map' must be an object mapping tensor names to file names")
+    for tensor, name in weight_map.items():
+        if not _is_plain_name(name):
+            raise UnsafePathError(
+                f"{index}: tensor {tensor!r} maps to {name!r}, which is not a plain file name in the model "
+                "directory (no directories, no '..', no absolute paths)"
+            )
+    return weight_map
+
+
+def _is_plain_name(name: str) -> bool:
+    return (
+        name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and os.path.basename(name) == name
+    )
+
+
+def _cross_check(root: str, names: list[str], headers: tuple[FileHeader, ...], weight_map: dict | None) -> None:
+    owner: dict[str, str] = {}
+    for name, header in zip(names, headers):
+        for t in header.tensors:
+            if t.name in owner:
+                raise DuplicateTensorError(f"{root}: tensor {t.name!r} appears in both {owner[t.name]} and {name}")
+            owner[t.name] = name
+    for tensor, name in (weight_map or {}).items():
+        if owner.get(tensor) != name:
+            raise MissingTensorError(
+                f"{os.path.join(root, INDEX_NAME)}: the index maps {tensor!r} to {name}, but "
+                + (f"it is in {owner[tensor]}" if tensor in owner else "that file does not contain it")
+            )
+
+
+def _read_config(root: str) -> ModelConfig:
+    path = os.path.join(root, "config.json")
+    if not os.path.isfile(path):
+        return ModelConfig()
+    try:
+        with open(path, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ModelConfigError(f"{path}: not valid UTF-8 JSON: {str(e)[:200]}") from None
+    return ModelConfig.from_dict(raw, path)

@@ -1,0 +1,177 @@
+"""Every error raylazy raises: one class per failure kind, all under RaylazyError.
+
+Messages name the file, the tensor and the numbers involved, and say how to fix
+the problem where there is something the user can do.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class RaylazyError(Exception):
+    """Base of every error raylazy raises on purpose."""
+
+
+# --- safetensors headers -----------------------------------------------------
+
+
+class HeaderError(RaylazyError):
+    """A safetensors file whose header breaks the format. `path` names the file."""
+
+    def __init__(self, path: str, message: str):
+        self.path = str(path)
+        self.detail = message
+        super().__init__(f"{self.path}: {message}")
+
+    def __reduce__(self):  # keep the class and fields across Ray's pickling
+        return (type(self), (self.path, self.detail))
+
+
+class FileTooSmallError(HeaderError):
+    """The file is shorter than the 8-byte header length prefix."""
+
+
+class HeaderLengthError(HeaderError):
+    """The header length prefix is over the cap or runs past the end of the file."""
+
+
+class HeaderEncodingError(HeaderError):
+    """The header bytes are not strict UTF-8."""
+
+
+class HeaderJSONError(HeaderError):
+    """The header is not one JSON object (or uses NaN/Infinity)."""
+
+
+class DuplicateKeyError(HeaderError):
+    """A JSON object in the header repeats a key."""
+
+
+class TensorEntryError(HeaderError):
+    """A tensor entry has missing, extra or ill-typed fields (shape, dtype, data_offsets)."""
+
+
+class UnknownDTypeError(HeaderError):
+    """A tensor entry names a dtype safetensors does not define."""
+
+
+class MetadataError(HeaderError):
+    """`__metadata__` is not a map of strings to strings."""
+
+
+class DataLayoutError(HeaderError):
+    """Tensor data has holes, overlaps, or offsets out of order."""
+
+
+class TensorSizeError(HeaderError):
+    """A tensor's byte length differs from shape x dtype size."""
+
+
+class PartialByteError(HeaderError):
+    """A tensor (or a slice of one) whose bit count is not a whole number of bytes."""
+
+
+class FileSizeMismatchError(HeaderError):
+    """The data does not end exactly at the end of the file (truncated or trailing bytes)."""
+
+
+# --- checkpoints and model configs ---------------------------------------------
+
+
+class CheckpointError(RaylazyError):
+    """A model directory that is not a usable safetensors checkpoint."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No safetensors file (or index) in the directory."""
+
+
+class UnsafePathError(CheckpointError):
+    """An index names a shard outside the model directory (traversal, absolute path)."""
+
+
+class MissingShardError(CheckpointError):
+    """A shard named by the index is not in the directory."""
+
+
+class MissingTensorError(CheckpointError):
+    """The index maps a tensor to a file that does not contain it."""
+
+
+class DuplicateTensorError(CheckpointError):
+    """The same tensor name appears in two files."""
+
+
+class IndexFileError(CheckpointError):
+    """`model.safetensors.index.json` is not valid JSON of the expected shape."""
+
+
+class ModelConfigError(CheckpointError):
+    """`config.json` is unreadable or has values of the wrong type."""
+
+
+# --- sharding rules and plans --------------------------------------------------
+
+
+class ShardingError(RaylazyError):
+    """A tensor cannot be sharded as the rules say."""
+
+
+class UnknownArchitectureError(ShardingError):
+    """No preset for the model type and no user rules."""
+
+
+class UnmatchedTensorError(ShardingError):
+    """Tensors that no rule matches (every tensor must be sharded, replicated or skipped)."""
+
+
+class IndivisibleDimError(ShardingError):
+    """The world size does not divide the dimension being split."""
+
+
+class RuleError(ShardingError):
+    """A rule that cannot apply to the tensor it matched (dim out of range, head counts...)."""
+
+
+class PlanFormatError(RaylazyError):
+    """A serialised plan that cannot be read back."""
+
+
+# --- loading -----------------------------------------------------------------
+
+
+class ConfigurationError(RaylazyError):
+    """Invalid options passed to raylazy (wraps pydantic's validation report)."""
+
+
+class FileChangedError(RaylazyError):
+    """A checkpoint file differs from the one the plan was made from."""
+
+
+class ReadError(RaylazyError):
+    """Reading planned bytes failed (I/O error, permission, file truncated)."""
+
+
+class PlacementError(RaylazyError):
+    """The cluster cannot place the rank actors (not enough GPUs, timed out)."""
+
+
+class GDSUnavailableError(RaylazyError):
+    """GPUDirect Storage is not usable on this node."""
+
+
+class RankFailedError(RaylazyError):
+    """One or more ranks failed; `failures` maps each failed rank to its cause."""
+
+    def __init__(self, failures: Mapping[int, BaseException], context: str = "load"):
+        self.failures = dict(sorted(failures.items()))
+        ranks = ", ".join(str(r) for r in self.failures)
+        lines = [f"{context} failed on rank(s) {ranks}:"]
+        for rank, err in self.failures.items():
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            lines.append(f"  rank {rank}: {type(err).__name__}: {first}")
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):
+        return (type(self), (self.failures,))
