@@ -1,0 +1,99 @@
+"""The rank actor: a plain class that Ray wraps with `ray.remote` when the load creates it.
+
+One instance per tensor-parallel rank. It imports torch when constructed (so the
+driver can plan while actors start), reads its RankPlan onto its device with the
+chosen backend, and keeps the shards resident for `shards()` and `run()`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .io.common import ReadStats
+from .options import ReaderOptions
+from .plan import RankPlan
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs: Ray node id, host, process, the GPUs Ray gave it, the device it loads to."""
+
+    rank: int
+    node_id: str
+    hostname: str
+    pid: int
+    gpu_ids: tuple[str, ...]
+    device: str
+
+
+def resolve_device(requested: str, gpu_ids) -> str:
+    """"auto": the GPU Ray assigned (visible as cuda:0) if CUDA works, else the CPU."""
+    import torch
+
+    if requested == "cpu" or (requested == "auto" and not (gpu_ids and torch.cuda.is_available())):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={requested!r} but CUDA is not available to this actor (Ray GPU ids {gpu_ids})")
+    return "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the GPU(s) it assigned
+
+
+class RankLoader:
+    """Loads and holds one rank's shards."""
+
+    def __init__(self, rank: int, device: str = "auto"):
+        import ray
+        import torch  # noqa: F401  (the slow import happens here, while the driver plans)
+
+        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+        self.info_ = RankInfo(
+            rank=rank,
+            node_id=ray.get_runtime_context().get_node_id(),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            gpu_ids=gpu_ids,
+            device=resolve_device(device, gpu_ids),
+        )
+        self._shards: dict | None = None
+        self._progress = 0
+
+    def info(self) -> RankInfo:
+        return self.info_
+
+    def progress(self) -> int:
+        """Bytes of shard data loaded so far by the current load."""
+        return self._progress
+
+    def load(self, plan: RankPlan, options: ReaderOptions) -> ReadStats:
+        """Read this rank's shards onto its device. On failure nothing is kept."""
+        self._shards, self._progress = None, 0
+
+        def on_progress(n: int) -> None:
+            self._progress += n
+
+        if options.backend == "fastsafetensors":
+            from .io.fst import read_rank_fastsafetensors as read
+        else:
+            from .io.ranged import read_rank as read
+        shards, stats = read(plan, self.info_.device, options=options, on_progress=on_progress)
+        self._shards = shards
+        return stats
+
+    def shards(self) -> dict:
+        """This rank's {name: tensor}; returned through the object store or a direct tensor transport."""
+        if self._shards is None:
+            raise RuntimeError(f"rank {self.info_.rank} holds no shards (not loaded, failed, or released)")
+        return self._shards
+
+    def run(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Call fn(rank, shards, *args, **kwargs) here, next to the shards, and return its result."""
+        return fn(self.info_.rank, self.shards(), *args, **kwargs)
+
+    def release(self) -> None:
+        self._shards = None
+        if self.info_.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()

@@ -1,0 +1,231 @@
+"""Execute one rank's plan with positional reads straight into its shard tensors.
+
+Each shard is cut into windows of whole destination rows (at most `chunk_bytes`,
+or one row if a row is larger). A thread pool reads windows concurrently with
+`os.preadv`, each row range landing in place. On the CPU a window is a slice of
+the shard itself, so nothing is staged. On a GPU a window is read into one of
+`queue_size + 2` pinned staging buffers and copied to the device asynchronously while
+the next windows are read: staging never exceeds (queue_size + 2) x window bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from ..errors import ReadError
+from ..plan import RankPlan, Read, TensorShard
+from .common import Counter, Progress, ReaderOptions, ReadStats, open_verified, typed
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Fill bytes [start, end) of one shard: `reads` are (Read, first row, rows) clipped to the window."""
+
+    tensor: int
+    start: int
+    end: int
+    reads: tuple[tuple[Read, int, int], ...]
+    padded: bool
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(r.length * n if r.count > 1 else n for r, _, n in self.reads)
+
+
+def read_rank(
+    plan: RankPlan,
+    device: str = "cpu",
+    *,
+    options: ReaderOptions = ReaderOptions(),
+    on_progress: Progress | None = None,
+    stage: bool | None = None,
+) -> tuple[dict, ReadStats]:
+    """Read `plan`'s shards onto `device`; returns ({name: tensor}, stats). Raises on any failure.
+
+    Staging keeps options.queue_size + 2 windows of host memory (-1: one, fully serial).
+    `stage` forces (True) or avoids (False) the staging-buffer pipeline; by default
+    only non-CPU devices stage.
+    """
+    import torch
+
+    dev = torch.device(device)
+    stats = ReadStats(backend="ranged", device=str(dev))
+    counter = Counter(on_progress)
+    t0 = time.perf_counter()
+    used = sorted({r.file for t in plan.tensors for r in t.reads})
+    fds: dict[int, int] = {}
+    try:
+        for i in used:
+            fds[i] = open_verified(plan.files[i])
+            os.posix_fadvise(fds[i], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past the planned ranges
+        flats = [_alloc(torch, t, dev) for t in plan.tensors]
+        jobs = [job for i, t in enumerate(plan.tensors) for job in _windows(i, t, options.chunk_bytes)]
+        reader = _Reader(plan, fds, counter)
+        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="raylazy-read") as pool:
+            if not (dev.type != "cpu" if stage is None else stage):
+                futures = [pool.submit(reader.run, j, _as_view(flats[j.tensor], j.start, j.end)) for j in jobs]
+                try:
+                    for f in futures:
+                        f.result()
+                except BaseException:
+                    for f in futures:  # stop at the first failure: no half-read shard is returned
+                        f.cancel()
+                    raise
+            else:
+                stats.staging_bytes = _staged(torch, pool, reader, jobs, flats, dev, options.queue_size + 2)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    stats.bytes_needed = counter.value
+    stats.bytes_read = sum(t.bytes_read for t in plan.tensors)
+    stats.requests = sum(t.requests for t in plan.tensors)
+    stats.seconds = time.perf_counter() - t0
+    return {t.name: typed(f, t) for t, f in zip(plan.tensors, flats)}, stats
+
+
+def _alloc(torch, t: TensorShard, dev):
+    needed = t.bytes_needed
+    make = torch.zeros if needed < t.nbytes else torch.empty  # zero only shards with padding
+    return make(t.nbytes, dtype=torch.uint8, device=dev)
+
+
+def _as_view(flat, start: int, end: int) -> memoryview:
+    return memoryview(flat.numpy()).cast("B")[start:end]
+
+
+def _windows(index: int, t: TensorShard, chunk: int):
+    """Split a shard into jobs of whole destination rows, at most `chunk` bytes unless one row is larger."""
+    rows = {r.dst_stride for r in t.reads if r.count > 1}
+    row = rows.pop() if rows else 1
+    width = max(row, chunk // row * row)
+    padded = t.bytes_needed < t.nbytes
+    for start in range(0, t.nbytes, width):
+        end = min(start + width, t.nbytes)
+        parts = []
+        for r in t.reads:
+            if r.count > 1:  # rows i with dst_offset + i*dst_stride in [start, end)
+                first = max(0, -(-(start - r.dst_offset) // r.dst_stride))
+                last = min(r.count, -(-(end - r.dst_offset) // r.dst_stride))
+                if last > first:
+                    parts.append((r, first, last - first))
+            else:  # a contiguous range clipped to the window: (read, byte offset, bytes)
+                lo, hi = max(start, r.dst_offset), min(end, r.dst_offset + r.length)
+                if hi > lo:
+                    parts.append((r, lo - r.dst_offset, hi - lo))
+        yield _Job(index, start, end, tuple(parts), padded)
+
+
+class _Reader:
+    """Runs jobs: positional reads from the planned files into a window's buffer."""
+
+    def __init__(self, plan: RankPlan, fds: dict[int, int], counter: Counter):
+        self.plan, self.fds, self.counter = plan, fds, counter
+        self.gap = bytearray(max([r.stride - r.length for t in plan.tensors for r in t.reads if r.gather] or [0]))
+
+    def run(self, job: _Job, buf: memoryview) -> None:
+        name = self.plan.tensors[job.tensor].name
+        for r, first, n in job.reads:
+            fd, path = self.fds[r.file], self.plan.files[r.file].path
+            try:
+                if r.count == 1:
+                    dst = r.dst_offset + first - job.start
+                    _preadv_full(fd, [buf[dst : dst + n]], r.offset + first)
+                elif r.gather:
+                    self._gather(fd, r, first, n, buf, job.start)
+                else:
+                    for i in range(first, first + n):
+                        dst = r.dst_offset + i * r.dst_stride - job.start
+                        _preadv_full(fd, [buf[dst : dst + r.length]], r.offset + i * r.stride)
+            except OSError as e:
+                raise ReadError(f"{path}: reading tensor {name!r} at byte {r.offset}: {e.strerror or e}") from None
+            except EOFError as e:
+                raise ReadError(f"{path}: file ended early while reading tensor {name!r}: {e}; "
+                                "it was truncated since planning") from None
+        self.counter.add(job.bytes_needed)
+
+    def _gather(self, fd: int, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
+        gap = memoryview(self.gap)[: r.stride - r.length]
+        per_call = max(1, _IOV_MAX // 2)
+        for b in range(first, first + n, per_call):
+            rows = range(b, min(b + per_call, first + n))
+            iov = []
+            for i in rows:
+                dst = r.dst_offset + i * r.dst_stride - base
+                iov.append(buf[dst : dst + r.length])
+                if i != rows[-1] and len(gap):
+                    iov.append(gap)
+            _preadv_full(fd, iov, r.offset + b * r.stride)
+
+
+def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """preadv until every buffer is full; short reads continue, end of file raises EOFError."""
+    while bufs:
+        got = os.preadv(fd, bufs, offset)
+        if got == 0:
+            raise EOFError(f"{sum(len(b) for b in bufs)} bytes missing at offset {offset}")
+        offset += got
+        while bufs and got >= len(bufs[0]):
+            got -= len(bufs[0])
+            bufs = bufs[1:]
+        if bufs and got:
+            bufs = [bufs[0][got:]] + bufs[1:]
+
+
+def _staged(torch, pool, reader: _Reader, jobs, flats, dev, depth: int) -> int:
+    """GPU path: read windows into `depth` pinned buffers, copy each to the device while others read."""
+    size = max((j.end - j.start for j in jobs), default=0)
+    depth = max(1, depth)
+    free: queue.Queue = queue.Queue()
+    for _ in range(depth):
+        free.put(torch.empty(size, dtype=torch.uint8, pin_memory=dev.type == "cuda"))
+    stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+    in_flight: list = []  # (event, buffer) of copies not yet known to be done
+
+    def fill(job):
+        buf = free.get()
+        if buf is None:  # the load was aborted while this job waited for a buffer
+            return job, None
+        if job.padded:
+            buf[: job.end - job.start].zero_()
+        reader.run(job, _as_view(buf, 0, job.end - job.start))
+        return job, buf
+
+    pending = {pool.submit(fill, j) for j in jobs}
+    try:
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                job, buf = f.result()
+                in_flight.append((_copy(torch, stream, flats[job.tensor][job.start : job.end], buf), buf))
+                while in_flight and (in_flight[0][0] is None or in_flight[0][0].query() or free.empty()):
+                    event, done_buf = in_flight.pop(0)
+                    if event is not None:
+                        event.synchronize()
+                    free.put(done_buf)
+    except BaseException:
+        for f in pending:
+            f.cancel()
+        for _ in range(len(pending)):  # wake jobs blocked on a buffer so the pool can shut down
+            free.put(None)
+        raise
+    if stream is not None:
+        stream.synchronize()
+    return depth * size
+
+
+def _copy(torch, stream, dst, buf):
+    """Copy the filled part of a staging buffer to `dst`; on CUDA asynchronously, returning its event."""
+    if stream is None:
+        dst.copy_(buf[: dst.numel()])
+        return None
+    with torch.cuda.stream(stream):
+        dst.copy_(buf[: dst.numel()], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event

@@ -1,0 +1,60 @@
+"""The options of `raylazy.load`, validated (pydantic) before any actor starts."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+from pydantic import Field, ValidationError
+
+from .errors import ConfigurationError
+from .io.common import ReaderOptions
+
+QUEUE_SIZE_ENV = "RAYLAZY_FASTSAFETENSORS_QUEUE_SIZE"
+
+
+class LoadOptions(ReaderOptions):
+    """Everything `raylazy.load` accepts besides the model and the rules."""
+
+    tp: int = Field(ge=1, le=4096)
+    #: "auto": the GPU Ray assigned to the rank's actor, else the CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Reserve one GPU per rank: None = when the cluster has GPUs.
+    use_gpu: Optional[bool] = None
+    cpus_per_rank: float = Field(1.0, ge=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = Field(300.0, gt=0)
+    #: Whole load (after placement) must finish within this many seconds.
+    timeout_s: float = Field(1800.0, gt=0)
+    #: Times a rank's actor is restarted (and re-reads its plan) after its process dies.
+    max_retries: int = Field(2, ge=0)
+    #: How shard refs travel: "auto" = object store for CPU shards, CUDA IPC for GPU shards.
+    transport: Literal["auto", "object_store", "nccl", "gloo", "nixl", "cuda_ipc"] = "auto"
+    #: Show a progress bar: None = when stderr is a terminal.
+    progress: Optional[bool] = None
+    preset: Optional[str] = "auto"
+    uneven: Literal["error", "chunk", "pad"] = "error"
+    max_gap: int = Field(0, ge=0)
+
+
+def load_options(**kwargs) -> LoadOptions:
+    """Validate `raylazy.load` keyword options; the fastsafetensors queue size may come from the environment."""
+    if kwargs.get("queue_size") is None:
+        kwargs.pop("queue_size", None)
+        env = os.environ.get(QUEUE_SIZE_ENV)
+        if env is not None and kwargs.get("backend") == "fastsafetensors":
+            try:
+                kwargs["queue_size"] = int(env)
+            except ValueError:
+                raise ConfigurationError(f"{QUEUE_SIZE_ENV}={env!r} is not an integer (-1, 0 or a positive depth)") from None
+    try:
+        return LoadOptions(**kwargs)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'options'}={err.get('input')!r}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigurationError(f"invalid raylazy.load option(s): {problems}") from None
+
+
+def reader_options(opts: LoadOptions) -> ReaderOptions:
+    return ReaderOptions(**{k: getattr(opts, k) for k in ReaderOptions.model_fields})
