@@ -82,15 +82,17 @@ def _shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_
             continue
         offs = (p.src * inner_bits, p.length * inner_bits, shape[d] * inner_bits, p.dst * inner_bits,
                 slicing.length * inner_bits)
-        if any(b % 8 for b in offs):
+        contiguous = outer == 1 or offs[1] == offs[2] == offs[4]  # one range: only its ends must be whole bytes
+        if any(b % 8 for b in ((offs[0], offs[1] * outer, offs[3]) if contiguous else offs)):
             raise PartialByteError(path, f"tensor {t.name!r}: a slice along dim {d} of {t.dtype} {list(shape)} "
                                    "does not start and end on whole bytes")
+        if contiguous:
+            reads.append(Read(file=fi, offset=t.start + offs[0] // 8, length=offs[1] * outer // 8,
+                              dst_offset=offs[3] // 8))
+            continue
         src, length, stride, dst, dst_stride = (b // 8 for b in offs)
-        if outer == 1 or (length == stride == dst_stride):  # one contiguous range
-            reads.append(Read(file=fi, offset=t.start + src, length=length * outer, dst_offset=dst))
-        else:
-            reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
-                              stride=stride, dst_stride=dst_stride, gather=stride - length <= max_gap))
+        reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
+                          stride=stride, dst_stride=dst_stride, gather=stride - length <= max_gap))
     out_shape = shape[:d] + (slicing.length,) + shape[d + 1 :]
     return TensorShard(name=t.name, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
                        pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces), reads=tuple(reads))
