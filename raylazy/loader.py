@@ -72,13 +72,15 @@ class LoadedModel:
         return {i.rank: (i.node_id, i.device) for i in self.ranks}
 
     def summary(self) -> str:
+        """One line: model, tp, bytes, end-to-end and reading seconds, GB/s, bytes read beyond the needed."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
+        reading = max((s.seconds for s in self.stats), default=0.0)
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp} "
-            f"backend={self.options.backend}: {_gb(needed)} in {self.seconds:.2f} s "
-            f"({needed / max(self.seconds, 1e-9) / 1e9:.2f} GB/s), read {_gb(read)} "
-            f"({_gb(read - needed)} beyond the needed), nodes={len({i.node_id for i in self.ranks})}"
+            f"backend={self.options.backend} on {len({i.node_id for i in self.ranks})} node(s): {_gb(needed)} "
+            f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
+            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {_gb(read)} ({_gb(read - needed)} beyond the needed)"
         )
 
     def release(self) -> None:

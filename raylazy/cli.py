@@ -1,0 +1,89 @@
+"""The `raylazy` command: `plan` prints (and saves) a checkpoint's per-rank plan, `load` runs a load on Ray."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from .errors import RaylazyError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raylazy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan which bytes each tensor-parallel rank reads (headers only)")
+    p.add_argument("model_dir")
+    _planning_args(p)
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH ('-' for stdout)")
+
+    p = sub.add_parser("load", help="load a checkpoint on Ray, one actor per rank, and print the summary")
+    p.add_argument("model_dir", nargs="?", help="model directory (default: generate a small Llama-shaped one)")
+    _planning_args(p, tp=2)
+    p.add_argument("--backend", choices=["ranged", "fastsafetensors"], default="ranged")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--queue-size", type=int, default=None)
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--no-progress", action="store_true")
+
+    args = parser.parse_args(argv)
+    try:
+        return _plan(args) if args.command == "plan" else _load(args)
+    except RaylazyError as e:
+        print(f"raylazy: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _planning_args(p: argparse.ArgumentParser, tp: int = 8) -> None:
+    p.add_argument("--tp", type=int, default=tp, help=f"tensor-parallel world size (default {tp})")
+    p.add_argument("--preset", default="auto", help="sharding preset (default: from config.json model_type)")
+    p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
+                   help="what to do with a dim tp does not divide")
+    p.add_argument("--max-gap", type=int, default=0, help="read row gaps up to this many bytes as one request")
+
+
+def _plan(args) -> int:
+    from .planner import make_plan
+
+    plan = make_plan(args.model_dir, args.tp, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap)
+    if args.json == "-":
+        print(plan.to_json())
+        return 0
+    print(plan.summary())
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(plan.to_json())
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def _load(args) -> int:
+    import ray
+
+    from .loader import load
+
+    with tempfile.TemporaryDirectory(prefix="raylazy-demo-") as tmp:
+        model_dir = args.model_dir
+        if model_dir is None:
+            from .synthetic import write_llama_checkpoint
+
+            model_dir = write_llama_checkpoint(tmp)
+            print(f"no model given: generated a Llama-shaped checkpoint in {model_dir}")
+        if args.address:
+            ray.init(address=args.address)
+        loaded = load(model_dir, args.tp, backend=args.backend, device=args.device, queue_size=args.queue_size,
+                      preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
+                      progress=False if args.no_progress else None)
+        try:
+            print(f"{'rank':>4} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} {'requests':>9} {'seconds':>8}")
+            for info, st, rp in zip(loaded.ranks, loaded.stats, loaded.plan.ranks):
+                print(f"{info.rank:>4} {info.node_id[:10]:>10} {info.device:>7} {len(rp.tensors):>7} "
+                      f"{st.bytes_needed:>12} {st.requests:>9} {st.seconds:>8.3f}")
+        finally:
+            loaded.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
