@@ -148,6 +148,9 @@ class Fused:
         sizes = self._part_sizes(shape[dim], ctx)
         pieces, src, dst = [], 0, 0
         for part, size in zip(self.parts, sizes):
+            if isinstance(part, Split) and _norm_dim(part.dim, shape) != dim:
+                raise RuleError(f"fused: part {part.describe()} does not split the fused dim {self.dim}; "
+                                f"give every Split part dim={self.dim}")
             sub = part.slicing(shape[:dim] + (size,) + shape[dim + 1 :], ctx) if isinstance(part, Split) else None
             if sub is None:
                 start, length = part._rows(size, ctx)
