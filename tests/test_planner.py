@@ -481,6 +481,16 @@ def test_rule_errors_name_the_tensor(llama_dir):
         make_plan(llama_dir, 0)
 
 
+def test_fused_along_last_dim_and_mismatched_part_dims(odd_dir):
+    full = _reference(odd_dir)["w"]  # [10, 6]: two packed parts of 3 columns
+    plan = make_plan(odd_dir, 3, rules=[("w", Fused((Split(-1), Split(-1)), dim=-1))])
+    for r in range(3):
+        expected = torch.cat([full[:, r : r + 1], full[:, 3 + r : 4 + r]], dim=1)
+        _check_shard_bytes(plan, _shard(plan, r, "w"), expected)
+    with pytest.raises(RuleError, match=r"'w'.*fused dim 1"):  # a part split along another dim is refused
+        make_plan(odd_dir, 2, rules=[("w", Fused((Split(0), Split(0)), dim=1))])
+
+
 def test_presets_cover_the_fixtures():
     assert {"llama", "qwen2", "mixtral"} <= set(PRESETS)
 
