@@ -1,0 +1,138 @@
+"""Tiny real transformers checkpoints for the test suite, and a reference reader.
+
+The fixtures in conftest.py call `build_checkpoint`; tests that need a checkpoint of
+their own (another dtype, a single file) can call it directly. Every checkpoint is
+written by transformers' `save_pretrained` with a small `max_shard_size`, so it has
+several shards, a `model.safetensors.index.json` and a `config.json`, exactly as a
+Hugging Face model directory has.
+
+All weights are re-drawn from a seeded normal distribution: transformers initialises
+norms to ones and biases to zeros, and constant tensors would hide slicing and
+offset bugs in bit-for-bit comparisons.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+#: Names of the session fixtures (in conftest.py) that hold a multi-shard checkpoint.
+MODEL_FIXTURES = ("llama_dir", "qwen2_dir", "mixtral_dir")
+
+#: transformers config class and keyword arguments of each model.
+MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            num_key_value_heads=2,  # GQA: 4 query heads per kv head
+            head_dim=8,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            vocab_size=256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2": (  # q/k/v projections have biases
+        "Qwen2Config",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            vocab_size=256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            vocab_size=256,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+#: Small enough that every model above is written as 2-5 shards.
+DEFAULT_SHARD_SIZE = "80KB"
+
+_SEEDS = {"llama": 1, "qwen2": 2, "mixtral": 3}
+
+
+def build_checkpoint(
+    kind: str,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    seed: int | None = None,
+) -> str:
+    """Write the `kind` model ("llama", "qwen2", "mixtral") to `out_dir` with save_pretrained.
+
+    The same kind, dtype and seed always give the same tensors, whatever the shard size.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    class_name, kwargs = MODEL_SPECS[kind]
+    config = getattr(transformers, class_name)(**kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    generator = torch.Generator().manual_seed(_SEEDS[kind] if seed is None else seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            # Drawn in float32 then cast, so the values do not depend on the dtype's RNG path.
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype))
+    out_dir = os.fspath(out_dir)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    return out_dir
+
+
+def shard_files(model_dir: str | os.PathLike) -> list[str]:
+    """The `*.safetensors` file names in `model_dir`, sorted."""
+    return sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+
+
+def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` file in `model_dir`, read by safetensors itself."""
+    out: dict[str, torch.Tensor] = {}
+    for name in shard_files(model_dir):
+        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+            for key in f.keys():
+                if key in out:
+                    raise AssertionError(f"{key} is in two files of {model_dir}")
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of `t`, as safetensors stores them."""
+    t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+if __name__ == "__main__":  # print what transformers writes, for the record
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in MODEL_SPECS:
+            d = build_checkpoint(kind, os.path.join(tmp, kind))
+            print(f"== {kind}: {shard_files(d)}")
+            for key, t in sorted(reference_tensors(d).items()):
+                print(f"  {key:60s} {str(t.dtype):16s} {tuple(t.shape)}")

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny multi-shard transformers checkpoints, written once per session.
+
+The checkpoint directories are shared by every test of the session: treat them as
+read-only and copy one (shutil.copytree) before changing anything in it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # so test modules can `import checkpoints`
+
+from checkpoints import MODEL_FIXTURES, build_checkpoint, shard_files  # noqa: E402
+
+
+def _build(tmp_path_factory, kind: str) -> str:
+    out = build_checkpoint(kind, tmp_path_factory.mktemp(kind))
+    shards = shard_files(out)
+    assert len(shards) >= 2, f"{kind} checkpoint should be sharded, got {shards}"
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    assert os.path.isfile(os.path.join(out, "config.json"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> str:
+    """Llama with GQA (8 query heads, 2 kv heads, head_dim 8), bf16, several shards."""
+    return _build(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> str:
+    """Qwen2 (q/k/v biases, 8 query heads, 4 kv heads), bf16, several shards."""
+    return _build(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory) -> str:
+    """Mixtral with 4 experts (top-2), 8 query heads, 2 kv heads, bf16, several shards."""
+    return _build(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(params=MODEL_FIXTURES)
+def model_dir(request) -> str:
+    """Each of the three checkpoints in turn."""
+    return request.getfixturevalue(request.param)
+
+
+# --- shared local Ray (added for tests/test_load.py) ------------------------------------------------
+
+#: How `ray_local` starts Ray: 8 logical CPUs so tp=4 (one CPU per rank) fits on a 2-core machine.
+LOCAL_RAY_INIT = dict(num_cpus=8, include_dashboard=False)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray shared by the whole session, shut down at its end.
+
+    A test that needs a cluster of its own must `ray.shutdown()` this one and, when
+    done, start it again with `ray.init(**LOCAL_RAY_INIT)` (see test_load.py's
+    multi-node tests), so later users of this fixture still find it running.
+    """
+    import logging
+
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
