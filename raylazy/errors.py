@@ -166,6 +166,7 @@ class RankFailedError(RaylazyError):
 
     def __init__(self, failures: Mapping[int, BaseException], context: str = "load"):
         self.failures = dict(sorted(failures.items()))
+        self.context = context
         ranks = ", ".join(str(r) for r in self.failures)
         lines = [f"{context} failed on rank(s) {ranks}:"]
         for rank, err in self.failures.items():
@@ -174,4 +175,4 @@ class RankFailedError(RaylazyError):
         super().__init__("\n".join(lines))
 
     def __reduce__(self):
-        return (type(self), (self.failures,))
+        return (type(self), (self.failures, self.context))

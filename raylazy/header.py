@@ -98,6 +98,7 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
     metadata = None
     tensors = []
     for name, entry in root.items():
+        _check_text(path, name)
         if name == "__metadata__":
             metadata = _check_metadata(path, entry)
         else:
@@ -151,7 +152,12 @@ def _parse_json(path: str, text: str) -> dict:
         raise HeaderJSONError(path, f"header uses the non-standard JSON constant {name}")
 
     try:
-        root = json.loads(text, object_pairs_hook=_no_duplicates(path), parse_constant=no_constant)
+        root = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates(path),
+            parse_constant=no_constant,
+            parse_int=lambda s: -0.0 if s == "-0" else int(s),  # `-0` is a float to the reference reader
+        )
     except (ValueError, RecursionError) as e:  # JSONDecodeError, over-long integers, deep nesting
         raise HeaderJSONError(path, f"header is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(root, dict):
@@ -162,9 +168,22 @@ def _parse_json(path: str, text: str) -> dict:
 def _check_metadata(path: str, entry: Any) -> Mapping[str, str] | None:
     if entry is None:
         return None
-    if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-        raise MetadataError(path, "__metadata__ must be a map of strings to strings")
+    if not isinstance(entry, dict):
+        raise MetadataError(path, f"__metadata__ is a JSON {type(entry).__name__}, not a map of strings to strings")
+    for k, v in entry.items():
+        if not isinstance(v, str):
+            raise MetadataError(path, f"__metadata__[{k!r}] is a JSON {type(v).__name__}, not a string")
+        _check_text(path, k)
+        _check_text(path, v)
     return MappingProxyType(entry)
+
+
+def _check_text(path: str, text: str) -> None:
+    """JSON escapes can spell lone UTF-16 surrogates, which are not Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HeaderEncodingError(path, f"header string {text!r} holds a lone surrogate escape") from None
 
 
 def _is_u64(x: Any) -> bool:
@@ -189,10 +208,10 @@ def _check_entry(path: str, name: str, entry: Any, data_start: int) -> TensorInf
     if end < begin:
         raise DataLayoutError(path, f"{where}: data_offsets [{begin}, {end}] end before they begin")
     numel = 1
-    for d in shape:
+    for d in shape:  # left to right with overflow checks, as the reference reader multiplies
         numel *= d
-    if numel * DTYPE_BITS[dtype] >= 8 * _U64:
-        raise TensorSizeError(path, f"{where}: shape {shape} of {dtype} overflows 64 bits")
+        if numel * DTYPE_BITS[dtype] >= _U64:
+            raise TensorSizeError(path, f"{where}: shape {shape} of {dtype} overflows 64 bits")
     nbytes = nbytes_of(dtype, numel)
     if nbytes is None:
         raise PartialByteError(
