@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -128,7 +129,9 @@ def load(
                     f"{opts.placement_strategy}", opts.placement_timeout_s)
         ranks = _gather(actors, [a.info.remote() for a in actors], opts.timeout_s, "start")
         reader = reader_options(opts)
-        loads = [a.load.remote(rp, reader) for a, rp in zip(actors, plan.ranks)]
+        per_node = Counter(info.node_id for info in ranks)
+        loads = [a.load.remote(rp, _rank_reader(reader, per_node[info.node_id]))
+                 for a, rp, info in zip(actors, plan.ranks, ranks)]
         stats = _wait_with_progress(actors, loads, plan, opts)
     except BaseException:
         _release(actors, pg)
@@ -136,6 +139,13 @@ def load(
     loaded = LoadedModel(plan, opts, actors, pg, ranks, stats, time.perf_counter() - t0)
     _announce(loaded.summary())
     return loaded
+
+
+def _rank_reader(reader, ranks_on_node: int):
+    """fastsafetensors with nogds=None: a rank sharing its node with other ranks must not use GDS."""
+    if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
+        return reader.model_copy(update={"nogds": True})
+    return reader
 
 
 def _shards_method(actor, transport: str, device: str):

@@ -1,0 +1,249 @@
+"""Execute one rank's plan with fastsafetensors' ParallelLoader, then cut the rank's shards.
+
+fastsafetensors reads whole tensors, so this backend reads every tensor the rank
+needs in full (only those: a `tensor_filter` keeps the others unread) and builds
+each shard from it exactly as the plan says: `zeros(shard.shape)`, then each piece
+`(src, dst, length)` along `shard.dim` copied in (all of it for a replicated
+tensor). The shard is a new tensor; the full tensor is a borrowed view of the
+loader's buffer and is dropped at once, so a rank holds its shards plus the
+loader's buffers, never a second full copy. Results are bit-identical to the
+ranged backend (sub-byte dtypes come back as uint8 rows, as `typed` says).
+
+Memory: the loader works in batches, and with one process per group (raylazy
+always loads `all_local`) a batch is ONE checkpoint file. While a batch is in
+flight the loader holds a buffer the size of that file's whole data section
+(file size less its header), even when the filter skips most of its tensors
+(skipped bytes are allocated but never read). The buffer lives on the target
+device: GPU memory when loading to CUDA, host memory on the CPU. `queue_size`
+sets how many batches are alive at once:
+
+    -1  serial: load a file, cut its shards, free it, then the next  -> 1 file buffer
+     0  one batch in flight: the next file loads while the current one is cut -> 2
+     n  n loaded batches queued ahead, plus the one loading and the one being cut -> n + 2
+
+So the staging cost is about (queue_size + 2) x the largest file's data section
+(1 x for -1), never more than all the files the rank reads; `ReadStats.staging_bytes`
+reports it for the rank's actual files (the sum of that many largest data
+sections). Without GDS, loading to a GPU also goes through fastsafetensors' host
+bounce buffers (its `bbuf_size_kb`, 16 MiB by default). On top of all that the
+rank holds its own shards, as every backend does.
+
+Statistics: bytes_needed is what the shards need (reported to `on_progress` tensor
+by tensor), bytes_read the whole tensors loaded (fastsafetensors also reads the
+gaps of up to 4 KiB it merges between them), requests the files loaded
+(`extra["requests_unit"] == "files"`); extra also names the copier that ran.
+
+GPUDirect Storage: `options.nogds` True never uses it, False uses it on CUDA, and
+None uses it only when the device is CUDA and the rank is alone on its node (the
+driver passes True when several ranks share a node); on the CPU GDS is never
+used. When fastsafetensors fails because GDS is unusable (cuFile failing to open,
+probe, register or read; see `_is_gds_unavailable`), the rank logs one warning and
+loads again with nogds=True; later loads in the same process go straight to
+nogds. (Where cuFile or /dev/nvidia-fs0 is simply missing, fastsafetensors warns
+and falls back on its own: no error reaches us.) Any other error propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from math import prod
+from typing import Optional
+
+from ..dtypes import DTYPE_BITS
+from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
+from ..plan import RankPlan, TensorShard
+from .common import Counter, Progress, ReaderOptions, ReadStats, open_verified, typed
+
+log = logging.getLogger("raylazy")
+
+#: safetensors dtypes fastsafetensors 0.5 can parse (st_types.DType); others need backend="ranged".
+FST_DTYPES = frozenset(
+    {"BOOL", "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "F16", "F32", "F64", "BF16",
+     "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4"}
+)
+
+#: Messages of the errors fastsafetensors / its native library raise when cuFile (GDS) cannot be
+#: used: driver open (`[FAIL] init_gds()`), support probe, buffer (de)registration, cuFile reads.
+#: (When cuFile is simply absent, or /dev/nvidia-fs0 is missing, fastsafetensors itself warns and
+#: falls back to its nogds copier; no error reaches us then.)
+_GDS_MESSAGES = re.compile(
+    r"init_gds|cuFile|cufile|is_gds_supported|register_buffer failed|deregister_buffer failed|"
+    r"(?:submit|wait)_gds_read failed|libcufile|nvidia-fs|GPUDirect",
+)
+
+#: Set once GDS failed in this process: later loads use nogds without trying (and warning) again.
+_gds_broken = False
+
+
+def read_rank_fastsafetensors(
+    plan: RankPlan,
+    device: str,
+    *,
+    options: ReaderOptions,
+    on_progress: Progress | None = None,
+) -> tuple[dict, ReadStats]:
+    """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats)."""
+    global _gds_broken
+    import torch
+
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    refused = [t for t in plan.tensors if t.reads and not _fst_can_read(t)]
+    if refused:
+        what = ", ".join(f"{t.name!r} ({t.dtype} {list(t.full_shape)})" for t in refused[:3])
+        raise ConfigurationError(
+            f"backend='fastsafetensors' cannot read {len(refused)} tensor(s) of rank {plan.rank}: {what}"
+            f"{' ...' if len(refused) > 3 else ''}; fastsafetensors supports {', '.join(sorted(FST_DTYPES))} "
+            "(F4 only with an even last dim): use backend='ranged'"
+        )
+    used = sorted({r.file for t in plan.tensors for r in t.reads})
+    data_bytes = [_verified_data_bytes(plan, i) for i in used]
+    gds = _want_gds(options.nogds, dev) and not _gds_broken
+    reported = [0]
+
+    def progress(n: int) -> None:
+        reported[0] += n
+        if on_progress is not None:
+            on_progress(n)
+
+    try:
+        shards, stats = _load(torch, plan, dev, used, nogds=not gds, queue_size=options.queue_size,
+                              on_progress=progress)
+    except Exception as e:
+        if not (gds and _is_gds_unavailable(e)):
+            raise
+        _gds_broken = True
+        log.warning("raylazy rank %d: GPUDirect Storage is unavailable on this node (%s: %s); "
+                    "loading again with nogds=True", plan.rank, type(e).__name__, str(e).strip()[:200])
+        if reported[0] and on_progress is not None:
+            on_progress(-reported[0])  # the failed attempt's shards were discarded
+        reported[0] = 0
+        shards, stats = _load(torch, plan, dev, used, nogds=True, queue_size=options.queue_size,
+                              on_progress=progress)
+        stats.extra["gds_fallback"] = f"{type(e).__name__}: {e}"
+    depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
+    stats.staging_bytes = sum(sorted(data_bytes, reverse=True)[:depth])
+    stats.extra.update(queue_size=options.queue_size, batches_in_flight=depth)
+    stats.seconds = time.perf_counter() - t0
+    return shards, stats
+
+
+def _fst_can_read(t: TensorShard) -> bool:
+    """fastsafetensors parses the dtype, and views F4 as packed pairs (so its last dim must be even)."""
+    if t.dtype not in FST_DTYPES:
+        return False
+    return t.dtype != "F4" or (len(t.full_shape) > 0 and t.full_shape[-1] % 2 == 0)
+
+
+def _want_gds(nogds: Optional[bool], dev) -> bool:
+    """GDS only to a CUDA device, and only unless nogds is True (None: the driver found us alone on the node)."""
+    return dev.type == "cuda" and nogds is not True
+
+
+def _is_gds_unavailable(exc: BaseException) -> bool:
+    """True if `exc` (or its cause) says GPUDirect Storage / cuFile cannot be used, not that a file is bad."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, GDSUnavailableError):
+            return True
+        if not isinstance(exc, RaylazyError) and _GDS_MESSAGES.search(str(exc)):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
+
+
+def _verified_data_bytes(plan: RankPlan, index: int) -> int:
+    """Check the file against the plan (size, header digest); returns its data section's size."""
+    ref = plan.files[index]
+    fd = open_verified(ref)
+    try:
+        header = int.from_bytes(os.pread(fd, 8, 0), "little")
+    finally:
+        os.close(fd)
+    return ref.size - 8 - header
+
+
+def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_size: int, on_progress):
+    from fastsafetensors import ParallelLoader, SingleGroup
+
+    stats = ReadStats(backend="fastsafetensors", device=str(dev))
+    counter = Counter(on_progress)
+    by_name = {t.name: t for t in plan.tensors if t.reads}
+    out: dict = {}
+    for t in plan.tensors:
+        if not t.reads:  # empty, or all padding: nothing to read
+            out[t.name] = typed(torch.zeros(t.nbytes, dtype=torch.uint8, device=dev), t)
+    loaded = 0
+    if by_name:
+        loader = ParallelLoader(
+            SingleGroup(),
+            [plan.files[i].path for i in used],
+            device=str(dev),
+            queue_size=queue_size,
+            nogds=nogds,
+            tensor_filter=lambda name: name in by_name,
+            all_local=True,
+            use_tqdm_on_load=False,
+            # The full tensor is a view of the loader's buffer (no clone); _cut copies the shard out of it.
+            borrowed_tensors=True,
+            accumulate_resident=False,
+        )
+        try:
+            stats.extra["copier"] = getattr(loader.loader, "copier_class", type(None)).__name__
+            with contextlib.closing(loader.iterate_weights()) as weights:
+                for name, full in weights:
+                    shard = by_name.get(name)
+                    if shard is None or name in out:
+                        raise ReadError(f"fastsafetensors returned tensor {name!r}, which rank {plan.rank} "
+                                        "did not ask for (or returned it twice)")
+                    loaded += full.nbytes
+                    out[name] = _cut(torch, full, shard, dev)
+                    del full  # the borrowed buffer is released when the loader moves to the next file
+                    counter.add(shard.bytes_needed)
+        finally:
+            loader.close()
+    missing = [n for n in by_name if n not in out]
+    if missing:
+        raise ReadError(f"fastsafetensors did not return {len(missing)} planned tensor(s) of rank {plan.rank}, "
+                        f"e.g. {missing[:3]}: the checkpoint changed since planning? plan again")
+    stats.bytes_needed = counter.value
+    stats.bytes_read = loaded
+    stats.requests = len(used)
+    stats.extra.update(requests_unit="files", tensors_read=len(by_name), nogds=nogds)
+    return {t.name: out[t.name] for t in plan.tensors}, stats
+
+
+def _cut(torch, full, shard: TensorShard, dev):
+    """The rank's shard of `full` as a new tensor, built in bytes exactly as the plan's pieces say."""
+    raw = full.reshape(-1).view(torch.uint8)  # the tensor's bytes as stored (F4: packed pairs)
+    if raw.numel() * 8 != prod(shard.full_shape) * DTYPE_BITS[shard.dtype]:
+        raise ReadError(f"fastsafetensors returned {raw.numel()} bytes for tensor {shard.name!r}; the plan "
+                        f"expects {shard.dtype} {list(shard.full_shape)}: plan again")
+    if raw.device != dev:
+        raw = raw.to(dev)
+    if shard.dim is None:
+        flat = raw.clone()
+    else:
+        d, shape, bits = shard.dim, shard.full_shape, DTYPE_BITS[shard.dtype]
+        outer, inner_bits = prod(shape[:d]), prod(shape[d + 1:]) * bits
+        flat = torch.zeros(shard.nbytes, dtype=torch.uint8, device=dev)
+        full_row, shard_row = shape[d] * inner_bits, shard.shape[d] * inner_bits
+        for src, dst, length in shard.pieces:
+            if not length or not outer or not inner_bits:
+                continue
+            n = length * inner_bits
+            if outer == 1 or n == full_row == shard_row:  # one contiguous run (rows need not be whole bytes)
+                a, b, m = src * inner_bits // 8, dst * inner_bits // 8, n * outer // 8
+                flat[b : b + m].copy_(raw[a : a + m])
+            else:  # the same columns of every row: rows are whole bytes (the planner checked)
+                rows_in = raw.view(outer, full_row // 8)
+                rows_out = flat.view(outer, shard_row // 8)
+                rows_out[:, dst * inner_bits // 8 : (dst + length) * inner_bits // 8].copy_(
+                    rows_in[:, src * inner_bits // 8 : (src + length) * inner_bits // 8])
+    if dev.type == "cuda":  # the loader may reuse its buffer once we move on: finish the copy first
+        torch.cuda.current_stream(dev).synchronize()
+    return typed(flat, shard)
