@@ -65,9 +65,12 @@ class TensorShard(_Frozen):
     The shard has `shape`; along `dim`, each piece `(src, dst, length)` copies entries
     `[src, src+length)` of the full tensor to `[dst, dst+length)` of the shard, and
     entries no piece covers are zero (padding). `dim` is None for a whole tensor.
+    The full tensor's bytes start at `offset` of file `file`.
     """
 
     name: str
+    file: int
+    offset: int
     dtype: str
     full_shape: tuple[int, ...]
     shape: tuple[int, ...]

@@ -71,7 +71,7 @@ def make_plan(
 def _shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
     if slicing is None:
         read = Read(file=fi, offset=t.start, length=t.nbytes, dst_offset=0)
-        return TensorShard(name=t.name, dtype=t.dtype, full_shape=t.shape, shape=t.shape, placement=placement,
+        return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=t.shape, shape=t.shape, placement=placement,
                            dim=None, pieces=(), reads=(read,) if t.nbytes else ())
     d, shape = slicing.dim, t.shape
     bits = DTYPE_BITS[t.dtype]
@@ -94,5 +94,5 @@ def _shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_
         reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
                           stride=stride, dst_stride=dst_stride, gather=stride - length <= max_gap))
     out_shape = shape[:d] + (slicing.length,) + shape[d + 1 :]
-    return TensorShard(name=t.name, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
+    return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
                        pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces), reads=tuple(reads))

@@ -218,32 +218,18 @@ def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_siz
 
 
 def _cut(torch, full, shard: TensorShard, dev):
-    """The rank's shard of `full` as a new tensor, built in bytes exactly as the plan's pieces say."""
+    """The rank's shard of `full` as a new tensor: the plan's reads applied to the tensor's bytes."""
     raw = full.reshape(-1).view(torch.uint8)  # the tensor's bytes as stored (F4: packed pairs)
     if raw.numel() * 8 != prod(shard.full_shape) * DTYPE_BITS[shard.dtype]:
         raise ReadError(f"fastsafetensors returned {raw.numel()} bytes for tensor {shard.name!r}; the plan "
                         f"expects {shard.dtype} {list(shard.full_shape)}: plan again")
     if raw.device != dev:
         raw = raw.to(dev)
-    if shard.dim is None:
-        flat = raw.clone()
-    else:
-        d, shape, bits = shard.dim, shard.full_shape, DTYPE_BITS[shard.dtype]
-        outer, inner_bits = prod(shape[:d]), prod(shape[d + 1:]) * bits
-        flat = torch.zeros(shard.nbytes, dtype=torch.uint8, device=dev)
-        full_row, shard_row = shape[d] * inner_bits, shard.shape[d] * inner_bits
-        for src, dst, length in shard.pieces:
-            if not length or not outer or not inner_bits:
-                continue
-            n = length * inner_bits
-            if outer == 1 or n == full_row == shard_row:  # one contiguous run (rows need not be whole bytes)
-                a, b, m = src * inner_bits // 8, dst * inner_bits // 8, n * outer // 8
-                flat[b : b + m].copy_(raw[a : a + m])
-            else:  # the same columns of every row: rows are whole bytes (the planner checked)
-                rows_in = raw.view(outer, full_row // 8)
-                rows_out = flat.view(outer, shard_row // 8)
-                rows_out[:, dst * inner_bits // 8 : (dst + length) * inner_bits // 8].copy_(
-                    rows_in[:, src * inner_bits // 8 : (src + length) * inner_bits // 8])
+    flat = torch.zeros(shard.nbytes, dtype=torch.uint8, device=dev)
+    for r in shard.reads:  # the same byte ranges the ranged backend reads from the file
+        src = raw.as_strided((r.count, r.length), (r.stride or r.length, 1),
+                             raw.storage_offset() + r.offset - shard.offset)
+        flat.as_strided((r.count, r.length), (r.dst_stride or r.length, 1), r.dst_offset).copy_(src)
     if dev.type == "cuda":  # the loader may reuse its buffer once we move on: finish the copy first
         torch.cuda.current_stream(dev).synchronize()
     return typed(flat, shard)
