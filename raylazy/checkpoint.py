@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -31,6 +32,8 @@ from .header import FileHeader, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: Largest index or config.json read (bytes); real indexes are a few MB at most.
+MAX_JSON_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,7 @@ def _discover(root: str) -> tuple[list[str], dict[str, str] | None]:
 
 def _read_index(index: str) -> dict[str, str]:
     try:
-        with open(index, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"))
+        raw = json.loads(_read_small(index, IndexFileError).decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8
         raise IndexFileError(f"{index}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
@@ -174,8 +176,27 @@ def _read_config(root: str) -> ModelConfig:
     if not os.path.isfile(path):
         return ModelConfig()
     try:
-        with open(path, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"))
+        raw = json.loads(_read_small(path, ModelConfigError).decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise ModelConfigError(f"{path}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     return ModelConfig.from_dict(raw, path)
+
+
+def _read_small(path: str, error: type) -> bytes:
+    """The bytes of a regular file of at most MAX_JSON_BYTES; a FIFO, device or directory (an index
+    linked to /dev/zero would never end) or a larger file raises `error`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise error(f"{path}: cannot open: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{path}: not a regular file (a directory, FIFO or device)")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_JSON_BYTES + 1)
+        except OSError as e:
+            raise error(f"{path}: cannot read: {e.strerror}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise error(f"{path}: larger than the {MAX_JSON_BYTES}-byte cap for JSON files")
+    return data

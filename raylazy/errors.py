@@ -76,6 +76,10 @@ class FileSizeMismatchError(HeaderError):
     """The data does not end exactly at the end of the file (truncated or trailing bytes)."""
 
 
+class TooManyEntriesError(HeaderError):
+    """The header holds more JSON items than `raylazy.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
+
+
 # --- checkpoints and model configs ---------------------------------------------
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -22,17 +23,24 @@ from .errors import (
     FileSizeMismatchError,
     FileTooSmallError,
     HeaderEncodingError,
+    HeaderError,
     HeaderJSONError,
     HeaderLengthError,
     MetadataError,
     PartialByteError,
     TensorEntryError,
     TensorSizeError,
+    TooManyEntriesError,
     UnknownDTypeError,
 )
 
 #: Largest header the reader accepts, as in huggingface/safetensors.
 MAX_HEADER_BYTES = 100_000_000
+#: Most ',' separators (JSON items) a header may hold, counted before parsing. Python's JSON parser
+#: needs ~30 s and 1.5 GB for a 100 MB header of 1.9 M tiny tensors; this cap bounds that to a few
+#: seconds and a few hundred MB. Each tensor entry needs at least 4, so a file holds at most 2**18
+#: tensors (save_pretrained shards hold a few thousand), or that many metadata entries or shape dims.
+MAX_HEADER_ITEMS = 2**20
 _U64 = 2**64
 
 
@@ -71,9 +79,12 @@ class FileHeader:
 def read_header(path: str | os.PathLike) -> FileHeader:
     """Read and validate the header of the safetensors file at `path` (no tensor data)."""
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     try:
-        file_size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file")
+        file_size = st.st_size
         prefix = _pread_exact(fd, min(8, file_size), 0)
         if len(prefix) < 8:
             raise FileTooSmallError(path, f"file is {file_size} bytes, shorter than the 8-byte header length prefix")
@@ -90,6 +101,12 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
         raise FileTooSmallError(path, f"file is {len(data)} bytes, shorter than the 8-byte header length prefix")
     header_len = _check_length(path, data[:8], file_size)
     blob = bytes(data[8 : 8 + header_len])
+    items = blob.count(b",")
+    if items > MAX_HEADER_ITEMS:
+        raise TooManyEntriesError(
+            path, f"header holds {items} JSON items (',' separators), over the cap of {MAX_HEADER_ITEMS} "
+            f"(at most {MAX_HEADER_ITEMS // 4} tensors per file); refused before parsing to bound time and memory"
+        )
     try:
         text = blob.decode("utf-8", errors="strict")
     except UnicodeDecodeError as e:
