@@ -75,7 +75,7 @@ class Counter:
 def open_verified(ref: FileRef) -> int:
     """Open a planned file read-only after checking its size and header digest match the plan."""
     try:
-        fd = os.open(ref.path, os.O_RDONLY)
+        fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place must not block the open
     except OSError as e:
         raise ReadError(f"{ref.path}: cannot open planned checkpoint file: {e.strerror}") from None
     try:

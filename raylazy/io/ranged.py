@@ -16,7 +16,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from ..errors import ReadError
+from ..errors import FileChangedError, ReadError
 from ..plan import RankPlan, Read, TensorShard
 from .common import Counter, Progress, ReaderOptions, ReadStats, open_verified, typed
 
@@ -62,7 +62,12 @@ def read_rank(
     fds: dict[int, int] = {}
     try:
         for i in used:
-            fds[i] = open_verified(plan.files[i])
+            try:
+                fds[i] = open_verified(plan.files[i])
+            except (FileChangedError, ReadError) as e:  # say which of this rank's tensors the file holds
+                names = [t.name for t in plan.tensors if any(r.file == i for r in t.reads)]
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})") from None
             os.posix_fadvise(fds[i], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past the planned ranges
         flats = [_alloc(torch, t, dev) for t in plan.tensors]
         jobs = [job for i, t in enumerate(plan.tensors) for job in _windows(i, t, options.chunk_bytes)]
