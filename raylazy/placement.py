@@ -29,14 +29,14 @@ def start_ranks(actor_cls, tp: int, device: str, use_gpu: bool, cpus_per_rank: f
     caller goes on planning.
     """
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     name = f"raylazy-{uuid.uuid4().hex[:8]}"
     bundles = rank_bundles(tp, use_gpu, cpus_per_rank)
     pg = placement_group(bundles, strategy=strategy, name=name)
     remote_cls = ray.remote(actor_cls)
-    actors = [
+    create = (
         remote_cls.options(
             name=f"{name}-rank{r}",
             num_cpus=bundles[r].get("CPU", 0),
@@ -49,7 +49,12 @@ def start_ranks(actor_cls, tp: int, device: str, use_gpu: bool, cpus_per_rank: f
             ),
         ).remote(r, device)
         for r in range(tp)
-    ]
+    )
+    try:
+        actors = list(create)
+    except BaseException:  # e.g. a KeyboardInterrupt: removing the group also kills the actors already created
+        remove_placement_group(pg)
+        raise
     return pg, actors, name
 
 
