@@ -35,7 +35,8 @@ def start_ranks(actor_cls, tp: int, device: str, use_gpu: bool, cpus_per_rank: f
     name = f"raylazy-{uuid.uuid4().hex[:8]}"
     bundles = rank_bundles(tp, use_gpu, cpus_per_rank)
     pg = placement_group(bundles, strategy=strategy, name=name)
-    remote_cls = ray.remote(actor_cls)
+    # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
+    remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
     create = (
         remote_cls.options(
             name=f"{name}-rank{r}",

@@ -1,0 +1,543 @@
+"""raylazy.load end to end on Ray: shards bit for bit, code next to the shards, bytes read,
+placement across nodes, direct tensor transport, release and errors, progress.
+
+Costs: every Ray start and every actor start (an actor imports torch) takes seconds on a
+small machine, so the tests share clusters and loads:
+
+* `TestMultiNode` runs first, on a two-node `ray.cluster_utils.Cluster` of its own; if the
+  session's local Ray (`ray_local`) is already up it is shut down around the class and
+  started again afterwards.
+* `TestShards` makes one load per (checkpoint, tp), checked by several tests, then released.
+* The remaining tests use `ray_local` and load what they need (tp 1 or 2).
+
+Rank actors are of a RankLoader subclass that records the process's `rchar` (bytes
+returned by read syscalls, /proc/<pid>/io) around `load()`, so the bytes each rank read
+can be compared with the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import raylazy
+from raylazy.actor import RankLoader
+from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
+from raylazy.plan import _gb
+
+from checkpoints import reference_tensors, shard_files  # noqa: E402  (tests/ is on sys.path)
+from planlib import reference_shard
+
+try:  # actor classes and functions defined here travel by value: workers need not import this file
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+except Exception:  # noqa: BLE001  (Ray missing: the tests below skip)
+    pass
+
+ray = pytest.importorskip("ray")
+
+KINDS = ("llama", "qwen2", "mixtral")
+TPS = (1, 2, 4)
+
+#: The rank actors of a failed or released load must be dead within this many seconds.
+GONE_WITHIN_S = 30.0
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def raw(t: torch.Tensor) -> bytes:
+    """The tensor's bytes as safetensors stores them (bit-for-bit comparisons)."""
+    t = t.detach().cpu().contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def digest(shards: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(shards):
+        h.update(name.encode())
+        h.update(str(shards[name].dtype).encode())
+        h.update(str(tuple(shards[name].shape)).encode())
+        h.update(raw(shards[name]))
+    return h.hexdigest()
+
+
+def read_rchar(pid: int | str = "self") -> tuple[int, int]:
+    """(rchar, bytes this call read): rchar counts bytes returned by read syscalls (read, pread,
+    readv, preadv...) of a process so far, not yet including this read of /proc/<pid>/io."""
+    with open(f"/proc/{pid}/io", "rb", buffering=0) as f:
+        text = f.read()
+    match = re.search(rb"^rchar: (\d+)$", text, re.M)
+    assert match, f"/proc/{pid}/io has no rchar"
+    return int(match.group(1)), len(text)
+
+
+def header_bytes(path: str) -> int:
+    """8 + N: what `open_verified` reads of a file to check its header digest."""
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+class RcharLoader(RankLoader):
+    """A RankLoader that records its process's rchar at the start and end of `load()`."""
+
+    def __init__(self, rank: int, device: str = "auto"):
+        super().__init__(rank, device)
+        import raylazy.io.ranged  # noqa: F401  (imported now, so load() reads no .py files)
+
+        self._rchar: tuple[int, int] | None = None
+
+    def load(self, plan, options):
+        before, probe = read_rchar()
+        try:
+            return super().load(plan, options)
+        finally:
+            # the bytes of the first probe itself count between the two readings: leave them out
+            self._rchar = (before + probe, read_rchar()[0])
+
+    def rchar_window(self) -> tuple[int, int] | None:
+        """(rchar when load() started, rchar when it ended)."""
+        return self._rchar
+
+
+def truncating_loader(path: str, size: int) -> type:
+    """A RankLoader class whose load() first truncates `path` to `size` bytes (after planning)."""
+
+    class TruncatingLoader(RankLoader):
+        def load(self, plan, options):
+            os.truncate(path, size)
+            return super().load(plan, options)
+
+    return TruncatingLoader
+
+
+def where_am_i(rank: int, shards: dict):
+    """Run inside a rank actor: who runs it and what it holds."""
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "gpu_ids": tuple(str(g) for g in ray.get_gpu_ids()),
+        "digest": digest(shards),
+        "devices": sorted({str(t.device) for t in shards.values()}),
+    }
+
+
+def raylazy_actors() -> dict[str, str]:
+    """actor id -> state of every raylazy rank actor (named raylazy-<id>-rank<r>) of the connected cluster.
+
+    Read from the GCS tables, not `ray.util.state`: that API goes through the dashboard,
+    which the test clusters do not start (and on a shared machine it could even reach
+    another cluster's dashboard on the default port).
+    """
+    import ray._private.state as state
+
+    return {aid: a["State"] for aid, a in state.actors().items() if (a.get("Name") or "").startswith("raylazy-")}
+
+
+def raylazy_groups() -> dict[str, str]:
+    """placement group id -> state of every raylazy placement group of the connected cluster."""
+    return {
+        pid: g["state"] for pid, g in ray.util.placement_group_table().items() if (g.get("name") or "").startswith("raylazy-")
+    }
+
+
+def live() -> tuple[set, set]:
+    """(ids of ALIVE raylazy actors, ids of CREATED raylazy placement groups); pending ones count too."""
+    actors = {a for a, s in raylazy_actors().items() if s != "DEAD"}
+    groups = {g for g, s in raylazy_groups().items() if s != "REMOVED"}
+    return actors, groups
+
+
+def assert_nothing_new_alive(before: tuple[set, set], what: str) -> None:
+    """Within GONE_WITHIN_S, no raylazy actor or placement group is alive beyond those in `before`."""
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while True:
+        actors, groups = live()
+        new_actors, new_groups = actors - before[0], groups - before[1]
+        if not new_actors and not new_groups:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {what}: still alive: actors {sorted(new_actors)}, groups {sorted(new_groups)}")
+        time.sleep(0.2)
+
+
+_FULL: dict[str, dict] = {}
+
+
+def full_tensors(model_dir: str) -> dict:
+    if model_dir not in _FULL:
+        _FULL[model_dir] = reference_tensors(model_dir)
+    return _FULL[model_dir]
+
+
+def check_rank(plan_rank, shards: dict, full: dict) -> None:
+    """Every planned tensor is there, nothing else, each equal bit for bit to its reference shard."""
+    planned = [t.name for t in plan_rank.tensors]
+    assert sorted(shards) == sorted(planned), (
+        f"rank {plan_rank.rank}: missing {sorted(set(planned) - set(shards))}, extra {sorted(set(shards) - set(planned))}"
+    )
+    for t in plan_rank.tensors:
+        got, ref = shards[t.name], reference_shard(full[t.name], t)
+        assert got.device.type == "cpu"
+        assert got.dtype == ref.dtype, (t.name, got.dtype, ref.dtype)
+        assert tuple(got.shape) == tuple(t.shape) == tuple(ref.shape), (t.name, got.shape, t.shape)
+        assert raw(got) == raw(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
+        if t.dim is not None and len(t.pieces) == 1:
+            src, dst, length = t.pieces[0]
+            if dst == 0 and length == t.shape[t.dim]:  # the shard is one slice of the full tensor
+                assert raw(got) == raw(full[t.name].narrow(t.dim, src, length)), t.name
+
+
+def check_all_ranks(plan, per_rank: list[dict], model_dir: str) -> None:
+    full = full_tensors(model_dir)
+    assert len(per_rank) == plan.tp
+    for rp, shards in zip(plan.ranks, per_rank):
+        check_rank(rp, shards, full)
+
+
+# --- multi-node placement (its own two-node cluster) -----------------------------------------------
+
+
+@pytest.mark.ray
+class TestMultiNode:
+    """Two Ray nodes on this machine, each with 2 CPUs and 2 logical GPUs."""
+
+    @pytest.fixture(scope="class")
+    def cluster(self, llama_dir):
+        from ray.cluster_utils import Cluster
+
+        from conftest import LOCAL_RAY_INIT
+
+        had_local = ray.is_initialized()
+        if had_local:  # the session's ray_local: this class needs a cluster of its own
+            ray.shutdown()
+        with pytest.MonkeyPatch.context() as mp:
+            # Loopback only: the variable for the Ray processes started below; Ray read it into
+            # ray_constants when this process imported ray, so that copy is patched too.
+            mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args=dict(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1", include_dashboard=False),
+            )
+            try:
+                cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
+                cluster.wait_for_nodes()
+                ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+                yield cluster
+            finally:
+                ray.shutdown()
+                cluster.shutdown()
+        if had_local:
+            ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
+
+    @staticmethod
+    def _load_and_check(cluster, llama_dir: str, tp: int, strategy: str) -> list[str]:
+        """Load, check the three views of placement agree and the shards are right; returns rank -> node id."""
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) == 2
+        before = live()
+        loaded = raylazy.load(llama_dir, tp, use_gpu=True, device="cpu", placement_strategy=strategy,
+                              progress=False, placement_timeout_s=120)
+        try:
+            node_map = loaded.node_map()
+            table = ray.util.placement_group_table(loaded.placement_group)
+            inside = ray.get(loaded.run(where_am_i), timeout=120)
+            assert sorted(node_map) == list(range(tp))
+            for r in range(tp):
+                node_id, device = node_map[r]
+                assert device == "cpu"
+                assert node_id in nodes
+                assert inside[r]["rank"] == r
+                assert inside[r]["node_id"] == node_id == loaded.ranks[r].node_id, f"rank {r}"
+                assert table["bundles_to_node_id"][r] == node_id, f"rank {r}: bundle on another node"
+                assert len(inside[r]["gpu_ids"]) == 1 and inside[r]["gpu_ids"] == loaded.ranks[r].gpu_ids
+            # no two ranks on one node share a GPU
+            per_node_gpus = Counter((node_map[r][0], inside[r]["gpu_ids"]) for r in range(tp))
+            assert max(per_node_gpus.values()) == 1, per_node_gpus
+            check_all_ranks(loaded.plan, ray.get(loaded.refs()), llama_dir)
+            placed = [node_map[r][0] for r in range(tp)]
+        finally:
+            loaded.release()
+        assert_nothing_new_alive(before, f"{strategy} release")
+        return placed
+
+    def test_pack_fills_both_nodes(self, cluster, llama_dir):
+        placed = self._load_and_check(cluster, llama_dir, 4, "PACK")
+        # 4 ranks of 1 GPU on nodes of 2 GPUs: PACK must fill both nodes, 2 ranks each, and Ray packs
+        # bundles in order (a node takes as many as fit before the next is used): ranks 0,1 | 2,3
+        assert sorted(Counter(placed).values()) == [2, 2], placed
+        assert placed[0] == placed[1] != placed[2] == placed[3], f"PACK should fill one node, then the next: {placed}"
+
+    def test_spread_alternates_nodes(self, cluster, llama_dir):
+        placed = self._load_and_check(cluster, llama_dir, 4, "SPREAD")
+        assert sorted(Counter(placed).values()) == [2, 2], placed
+        # Ray's SPREAD gives each node one bundle per round, in bundle order for the first round
+        # only: ranks 0,1 go to different nodes, 2,3 to the two GPUs left, in either order. Strict
+        # alternation (0,2 | 1,3) is common but not promised: [A, B, B, A] happens too.
+        assert placed[0] != placed[1] and placed[2] != placed[3], f"SPREAD should alternate nodes: {placed}"
+
+    def test_strict_spread_one_rank_per_node(self, cluster, llama_dir):
+        placed = self._load_and_check(cluster, llama_dir, 2, "STRICT_SPREAD")
+        assert len(set(placed)) == 2, placed
+
+
+# --- one load per (checkpoint, tp), several checks each ----------------------------------------------
+
+
+@pytest.mark.ray
+class TestShards:
+    @pytest.fixture(scope="class", params=[(k, tp) for k in KINDS for tp in TPS], ids=lambda p: f"{p[0]}-tp{p[1]}")
+    def case(self, request, ray_local):
+        kind, tp = request.param
+        model_dir = request.getfixturevalue(f"{kind}_dir")
+        loaded = raylazy.load(model_dir, tp, device="cpu", actor_cls=RcharLoader, progress=False)
+        try:
+            yield kind, tp, model_dir, loaded
+        finally:
+            loaded.release()
+
+    def test_refs_equal_reference_shards(self, case):
+        kind, tp, model_dir, loaded = case
+        assert loaded.tp == tp and len(loaded.ranks) == tp and [i.rank for i in loaded.ranks] == list(range(tp))
+        per_rank = ray.get(loaded.refs(), timeout=120)
+        check_all_ranks(loaded.plan, per_rank, model_dir)
+        # the plan really splits: at tp > 1 some shards are smaller than their tensor
+        split = [t for t in loaded.plan.ranks[0].tensors if t.shape != t.full_shape]
+        assert bool(split) == (tp > 1)
+        # get() is the same as the refs
+        assert digest(loaded.get(tp - 1)) == digest(per_rank[tp - 1])
+
+    def test_run_inside_each_actor(self, case):
+        kind, tp, model_dir, loaded = case
+        inside = ray.get(loaded.run(where_am_i), timeout=120)
+        per_rank = ray.get(loaded.refs(), timeout=120)
+        pids = [i["pid"] for i in inside]
+        assert [i["rank"] for i in inside] == list(range(tp))
+        assert pids == [info.pid for info in loaded.ranks]
+        assert os.getpid() not in pids and len(set(pids)) == tp
+        assert [i["digest"] for i in inside] == [digest(s) for s in per_rank]
+        assert all(i["devices"] == ["cpu"] for i in inside)
+        # arguments reach fn after (rank, shards)
+        sizes = ray.get(loaded.run(lambda rank, shards, scale: scale * sum(t.numel() for t in shards.values()), 2))
+        assert sizes == [2 * sum(t.numel() for t in s.values()) for s in per_rank]
+
+    def test_bytes_read_match_plan(self, case):
+        """rchar of every rank's process over its load() = the planned bytes + the header re-read, within 2%."""
+        kind, tp, model_dir, loaded = case
+        windows = ray.get([a.rchar_window.remote() for a in loaded.actors], timeout=60)
+        measured, expected = 0, 0
+        for rp, info, (start, end), stats in zip(loaded.plan.ranks, loaded.ranks, windows, loaded.stats):
+            assert read_rchar(info.pid)[0] >= end  # the driver sees the same process (actors run locally)
+            used = sorted({r.file for t in rp.tensors for r in t.reads})
+            headers = sum(header_bytes(loaded.plan.files[i].path) for i in used)  # open_verified: 8 + N per file
+            assert stats.bytes_read == rp.stats.bytes_read and stats.bytes_needed == rp.stats.bytes_needed
+            measured += end - start
+            expected += rp.stats.bytes_read + headers
+        assert expected > 0
+        assert measured >= expected, f"{kind} tp={tp}: ranks read {measured} bytes, fewer than the {expected} planned"
+        assert abs(measured - expected) <= 0.02 * expected, (
+            f"{kind} tp={tp}: ranks read {measured} bytes, the plan says {expected} (incl. headers)"
+        )
+
+    def test_release_leaves_nothing(self, case):
+        kind, tp, model_dir, loaded = case
+        ids = {a._actor_id.hex() for a in loaded.actors}
+        group = loaded.placement_group.id.hex()
+        assert all(raylazy_actors().get(a) == "ALIVE" for a in ids)
+        assert raylazy_groups().get(group) == "CREATED"
+        loaded.release()
+        loaded.release()  # idempotent
+        assert loaded.actors == [] and loaded.placement_group is None
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while not (all(raylazy_actors().get(a) == "DEAD" for a in ids) and raylazy_groups().get(group) == "REMOVED"):
+            assert time.monotonic() < deadline, f"release(): {raylazy_actors()} {raylazy_groups()}"
+            time.sleep(0.2)
+        # and no other raylazy actor or group is alive in this cluster (every earlier load was released)
+        actors, groups = live()
+        assert not actors and not groups, (actors, groups)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tp", (2, 4))
+def test_naive_reads_tp_times_more_for_split_tensors(request, kind, tp):
+    """From the plan: every rank reading whole tensors reads tp x each split tensor; raylazy reads it ~once."""
+    model_dir = request.getfixturevalue(f"{kind}_dir")
+    plan = raylazy.plan(model_dir, tp)
+    full = full_tensors(model_dir)
+    split = {t.name for rp in plan.ranks for t in rp.tensors if t.dim is not None}
+    assert split
+    planned = Counter()
+    for rp in plan.ranks:
+        for t in rp.tensors:
+            if t.name in split:
+                planned[t.name] += t.bytes_read
+    naive_total, planned_total = 0, 0
+    for name in split:
+        nbytes = full[name].numel() * full[name].element_size()
+        naive = tp * nbytes
+        assert nbytes <= planned[name] <= naive, name
+        shard_sum = sum(t.nbytes for rp in plan.ranks for t in rp.tensors if t.name == name)
+        if shard_sum == nbytes:  # disjoint shards (no replicated kv heads, no padding): exactly tp x
+            assert planned[name] == nbytes and naive == tp * planned[name], name
+        naive_total += naive
+        planned_total += planned[name]
+    ratio = naive_total / planned_total
+    # kv heads fewer than tp are read by several ranks (GQA), so a little under tp overall
+    assert 0.9 * tp <= ratio <= tp, f"{kind} tp={tp}: naive/planned = {ratio:.2f}"
+    # and the whole load: raylazy reads less than every rank reading every non-skipped tensor
+    whole = sum(full[t.name].numel() * full[t.name].element_size() for t in plan.ranks[0].tensors)
+    assert plan.bytes_read < tp * whole
+
+
+# --- direct transport ------------------------------------------------------------------------------
+
+
+class Consumer:
+    """Receives shard refs; Ray runs an RDT receive on the `_ray_system` concurrency group, which only
+    actors created with `enable_tensor_transport=True` have (else the receive queues behind the task
+    waiting for it and the transfer times out)."""
+
+    def receive(self, shards: dict) -> dict:
+        return {"pid": os.getpid(), "shards": {k: v.clone() for k, v in shards.items()}}
+
+
+@pytest.mark.ray
+def test_gloo_direct_transport_and_context_manager(llama_dir, ray_local):
+    from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+    before = live()
+    consumer = ray.remote(num_cpus=0, enable_tensor_transport=True)(Consumer).remote()
+    try:
+        with raylazy.load(llama_dir, 2, device="cpu", progress=False) as loaded:
+            ids = {a._actor_id.hex() for a in loaded.actors}
+            group = create_collective_group(loaded.actors + [consumer], backend="torch_gloo")
+            try:
+                got = ray.get([consumer.receive.remote(ref) for ref in loaded.refs(transport="gloo")], timeout=180)
+            finally:
+                destroy_collective_group(group)
+            check_all_ranks(loaded.plan, [g["shards"] for g in got], llama_dir)
+            assert got[0]["pid"] not in {i.pid for i in loaded.ranks}
+    finally:
+        ray.kill(consumer)
+    # leaving the with block released the load
+    assert loaded.actors == [] and loaded.placement_group is None
+    assert_nothing_new_alive(before, "with raylazy.load(...)")
+    assert all(raylazy_actors().get(a) == "DEAD" for a in ids)
+
+
+def _received(rank: int, shards: dict, received: dict) -> dict:
+    """Run in the rank actor: what the CUDA IPC ref resolved to, next to the actor's own shards."""
+    return {name: (t.device.type, raw(t)) for name, t in received.items()} | {
+        "__own__": sorted({t.device.type for t in shards.values()})
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tp1_shards_are_cuda_and_travel_by_cuda_ipc(llama_dir, ray_local):
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the local Ray sees no GPU")
+    with raylazy.load(llama_dir, 1, device="cuda", use_gpu=True, progress=False) as loaded:
+        assert loaded.options.transport == "auto"
+        assert loaded.ranks[0].device == "cuda:0" and loaded.ranks[0].gpu_ids
+        inside = ray.get(loaded.run(where_am_i), timeout=120)[0]
+        assert inside["devices"] == ["cuda:0"]
+        # refs() of CUDA shards are CUDA IPC objects. CUDA IPC needs a receiver that Ray gave the
+        # same GPU: the driver has none and the rank holds the only one, so the rank itself receives
+        # its ref (Ray resolves it in-process from its direct-transport store, not the object store).
+        ref = loaded.refs()[0]
+        got = ray.get(loaded.actors[0].run.remote(_received, ref), timeout=120)
+        assert got.pop("__own__") == ["cuda"]
+        full = full_tensors(llama_dir)
+        rp = loaded.plan.ranks[0]
+        assert sorted(got) == sorted(t.name for t in rp.tensors)
+        for t in rp.tensors:
+            device, data = got[t.name]
+            assert device == "cuda", t.name
+            assert data == raw(reference_shard(full[t.name], t)), t.name
+
+
+# --- errors leave nothing behind ------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_plan_failure_raises_and_releases(llama_dir, ray_local, tmp_path):
+    bad = tmp_path / "nope"
+    shutil.copytree(llama_dir, bad)
+    cfg = (bad / "config.json").read_text()
+    (bad / "config.json").write_text(re.sub(r'"model_type":\s*"[^"]*"', '"model_type": "nope"', cfg))
+    before = live()
+    with pytest.raises(UnknownArchitectureError, match="nope"):
+        raylazy.load(str(bad), 2, device="cpu", progress=False)
+    assert_nothing_new_alive(before, "a failed plan")
+
+
+@pytest.mark.ray
+def test_rank_read_failure_names_ranks_and_file(llama_dir, ray_local, tmp_path):
+    copy = tmp_path / "llama"
+    shutil.copytree(llama_dir, copy)
+    victim = str(copy / shard_files(copy)[0])
+    plan = raylazy.plan(str(copy), 2)
+    index = [os.path.basename(f.path) for f in plan.files].index(os.path.basename(victim))
+    users = {rp.rank for rp in plan.ranks if any(r.file == index for t in rp.tensors for r in t.reads)}
+    assert users
+    size = os.path.getsize(victim)
+    before = live()
+    with pytest.raises(RankFailedError) as info:
+        raylazy.load(str(copy), 2, device="cpu", progress=False, actor_cls=truncating_loader(victim, size - 1))
+    err = info.value
+    assert set(err.failures) == users
+    assert "rank(s) " + ", ".join(map(str, sorted(users))) in str(err)
+    assert victim in str(err)
+    assert all(victim in str(e) for e in err.failures.values())
+    assert_nothing_new_alive(before, "a failed rank")
+
+
+@pytest.mark.ray
+def test_placement_error_within_timeout(llama_dir, ray_local):
+    before = live()
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match="64 rank"):
+        raylazy.load(llama_dir, 64, device="cpu", progress=False, placement_timeout_s=3,
+                     rules=[raylazy.Rule("*", raylazy.Replicated())])  # a plan valid at tp=64
+    elapsed = time.monotonic() - t0
+    assert 3 <= elapsed < 3 + 30, elapsed
+    assert_nothing_new_alive(before, "a placement timeout")
+
+
+# --- progress bar and summary ----------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_progress_bar_and_summary(llama_dir, ray_local, capfd, caplog):
+    from tqdm import tqdm
+
+    caplog.set_level(logging.INFO, logger="raylazy")
+    with raylazy.load(llama_dir, 2, device="cpu", progress=True) as loaded:
+        total = loaded.plan.bytes_needed
+        assert sum(s.bytes_needed for s in loaded.stats) == total
+    err = capfd.readouterr().err
+    bar = [seg for seg in re.split(r"[\r\n]", err) if "raylazy tp=2" in seg]
+    assert bar, err
+    size = tqdm.format_sizeof(total)
+    assert "100%" in bar[-1] and f"{size}/{size}" in bar[-1], bar[-1]
+    lines = [r.getMessage() for r in caplog.records if r.name == "raylazy" and "loaded" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    line = lines[0]
+    assert os.path.basename(llama_dir) in line and "tp=2" in line and _gb(total) in line, line
+    assert re.search(r"\d+\.\d+ s\b", line) and re.search(r"\d+\.\d+ GB/s", line), line
