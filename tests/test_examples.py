@@ -1,0 +1,296 @@
+"""The examples run as the README says: a Ray job on a local head node, the I/O-plan notebook, the cluster
+launcher config, and the autoscaling experiment on Ray's fake multi-node provider.
+
+Clusters started here stay on loopback, use their own --temp-dir (so no other `ray.init()` on this machine
+finds them) and free ports, and are torn down by killing exactly the processes they started: never
+`ray stop`, which would stop every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+
+
+# ---------------------------------------------------------------- local head node (started and killed by us)
+
+
+def _free_port(preferred: int | None = None) -> int:
+    if preferred is not None:
+        with socket.socket() as s:
+            try:
+                s.bind(("", preferred))
+                return preferred
+            except OSError:
+                pass
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "ray")
+    return [exe] if os.path.exists(exe) else [shutil.which("ray") or "ray"]
+
+
+def kill_cluster(temp_dir: str) -> int:
+    """Kill every process of the cluster whose --temp-dir is `temp_dir`, and their descendants.
+
+    The daemons (gcs_server, raylet, dashboard, monitor, log monitor) carry the temp dir on their
+    command line; workers, agents, job drivers and fake worker nodes descend from them.
+    """
+    import psutil
+
+    me = os.getpid()
+    roots = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != me and any(temp_dir in a for a in (p.info["cmdline"] or [])):
+                roots.append(p)
+        except (psutil.Error, TypeError):
+            continue
+    procs = {}
+    for r in roots:
+        procs[r.pid] = r
+        try:
+            procs.update({c.pid: c for c in r.children(recursive=True)})
+        except psutil.Error:
+            pass
+    procs.pop(me, None)
+    for p in procs.values():
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(procs.values()), timeout=15)
+    return len(procs)
+
+
+class HeadNode:
+    """`ray start --head` on loopback with its own temp dir and ports; `kill()` stops exactly it."""
+
+    def __init__(self, num_cpus: int = 4):
+        self.temp_dir = tempfile.mkdtemp(prefix="rlj", dir="/tmp")  # short: socket paths live under it
+        self.port = _free_port(6379)
+        self.dashboard_port = _free_port(8265)
+        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
+        self.env.pop("RAY_ADDRESS", None)
+        cmd = _ray_cli() + [
+            "start", "--head", f"--temp-dir={self.temp_dir}", f"--port={self.port}",
+            "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+            f"--num-cpus={num_cpus}", "--object-store-memory=300000000", "--disable-usage-stats",
+        ]
+        try:
+            # as the README: a token in ~/.ray/auth_token if there is none, then token auth for every command
+            subprocess.run(_ray_cli() + ["get-auth-token", "--generate"], env=self.env, capture_output=True,
+                           check=True, timeout=60)
+            out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
+            assert out.returncode == 0, f"ray start failed:\n{out.stdout}\n{out.stderr}"
+            self._wait_dashboard(120)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_dashboard(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.dashboard_port}/api/version", timeout=5):
+                    return
+            except urllib.error.HTTPError:  # it answers (401 without a token): up
+                return
+            except Exception:  # noqa: BLE001  (not up yet)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+
+    def kill(self) -> None:
+        kill_cluster(self.temp_dir)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_job_submit():
+    """The README's `ray job submit --working-dir . -- python examples/ray_job.py` succeeds on a local head."""
+    head = HeadNode()
+    try:
+        cmd = _ray_cli() + ["job", "submit", "--working-dir", ".", "--", "python", "examples/ray_job.py", "--tp", "2"]
+        out = subprocess.run(cmd, cwd=REPO, env=head.env, capture_output=True, text=True, timeout=420)
+        text = out.stdout + out.stderr
+        match = re.search(r"raysubmit_\w+", text)
+        assert match, f"no submission id in:\n{text}"
+        job_id = match.group(0)
+        status = subprocess.run(_ray_cli() + ["job", "status", job_id], env=head.env, capture_output=True,
+                                text=True, timeout=60)
+        logs = subprocess.run(_ray_cli() + ["job", "logs", job_id], env=head.env, capture_output=True,
+                              text=True, timeout=60).stdout
+        # `ray job status` says "Job '<id>' succeeded" exactly when the status is SUCCEEDED
+        assert f"Job '{job_id}' succeeded" in status.stdout + status.stderr, \
+            f"job {job_id} did not succeed:\n{text}\n{logs}"
+        assert out.returncode == 0, text
+        assert "raylazy: loaded" in logs and "tp=2" in logs, logs           # the summary
+        assert re.search(r"o_proj: .*max abs error \S+ .* OK", logs), logs  # the error checks
+        assert re.search(r"mlp: .*max abs error \S+ .* OK", logs), logs
+        assert "check passed" in logs, logs
+        # the job imports raylazy from the uploaded working directory, not from this checkout
+        imported = re.search(r"imported from (\S+)", logs).group(1)
+        assert not imported.startswith(REPO + os.sep), imported
+    finally:
+        head.kill()
+
+
+# ---------------------------------------------------------------- the I/O-plan notebook
+
+
+def _tiny_llama(directory) -> str:
+    from raylazy.synthetic import LlamaShape, write_llama_checkpoint
+
+    shape = LlamaShape(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                       num_hidden_layers=2, vocab_size=256)
+    return write_llama_checkpoint(str(directory), shape, num_files=2)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_notebook_runs(tmp_path, monkeypatch):
+    """examples/io_plan.ipynb runs top to bottom (parameters from the environment) and shows what it promises."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    model_dir = _tiny_llama(tmp_path / "model")
+    monkeypatch.setenv("RAYLAZY_NB_MODEL_DIR", model_dir)
+    monkeypatch.setenv("RAYLAZY_NB_TP", "2")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    nb = nbformat.read(os.path.join(EXAMPLES, "io_plan.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": EXAMPLES}}).execute()
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs)
+    html = "\n".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert model_dir in text                                          # the parameter was used
+    assert f"plan: {model_dir} (llama), tp=2" in text                 # plan.summary()
+    for column in ("bytes_needed", "bytes_read", "requests", "files", "amplification", "planned_bytes_read"):
+        assert column in html, column                                 # per-rank, amplification, measured tables
+    assert re.search(r"amplification \d+\.\d+x", text), text
+    assert "raylazy: loaded" in text and "measured bytes read match the plan: True" in text, text
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 3                                           # by-file bars, byte ranges, naive vs raylazy
+
+
+# ---------------------------------------------------------------- the cluster launcher config
+
+
+def test_cluster_yaml_valid():
+    """cluster.yaml passes the validation `ray up` applies (defaults filled in, then Ray's JSON schema)."""
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    with open(os.path.join(REPO, "cluster.yaml")) as fh:
+        raw = yaml.safe_load(fh)
+    config = prepare_config(raw)  # what `ray up` does first: merge the provider's defaults
+    validate_config(config)       # raises jsonschema.ValidationError on an unknown or mistyped field
+
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    gpu = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert "GPU" not in head["resources"]
+    assert len(gpu) == 1 and gpu[0]["resources"]["GPU"] == 8
+    assert 0 <= gpu[0]["min_workers"] <= gpu[0]["max_workers"] <= config["max_workers"]
+    assert any("raylazy" in c for c in config["setup_commands"])
+
+    # the validation is not vacuous: a misspelt field fails it
+    import jsonschema
+
+    with open(os.path.join(REPO, "cluster.yaml")) as fh:
+        broken = yaml.safe_load(fh)
+    broken["available_node_types"]["gpu_worker"]["resourcez"] = {"GPU": 8}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(broken))
+
+
+# ---------------------------------------------------------------- the autoscaling experiment
+
+
+def _experiment(out_dir, *args: str, timeout: float = 420) -> tuple[subprocess.CompletedProcess, dict, float]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "autoscaling_experiment.py"), *args,
+                           "--out", str(out_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.monotonic() - start
+    text = proc.stdout + proc.stderr
+    temp_dir = re.search(r"temp dir (\S+)\)", text)
+    assert temp_dir, text
+    assert not _processes_naming(temp_dir.group(1)), f"the fake cluster was not torn down:\n{text}"
+    with open(os.path.join(out_dir, "timeline.json")) as fh:
+        return proc, json.load(fh), elapsed
+
+
+def _processes_naming(tag: str) -> list[int]:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(tag in a for a in (p.info["cmdline"] or [])):
+                found.append(p.pid)
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_autoscaling_reduced(tmp_path):
+    """On the fake autoscaler, tp=2 at 1 GPU per node: two nodes are added, then the ranks are placed on them
+    and load; a request the cluster can never hold (tp=2, one 1-GPU node at most) fails with raylazy's
+    PlacementError once the timeout has passed, not a hang."""
+    model_dir = _tiny_llama(tmp_path / "model")
+
+    proc, tl, _ = _experiment(tmp_path / "ok", model_dir, "--tp", "2", "--gpus-per-node", "1", "--max-workers", "2",
+                              "--timeout", "180")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "raylazy: loaded" in proc.stdout and "total load time" in proc.stdout, text
+    assert os.path.getsize(tmp_path / "ok" / "timeline.png") > 1000
+    workers = {n["node_id"]: n for n in tl["nodes"] if not n["head"]}
+    assert len(workers) == 2 and all(n["gpus"] == 1 for n in workers.values()), tl
+    assert all(n["seen_at"] > 0 for n in workers.values()), tl            # none before the load asked for GPUs
+    assert len(tl["ranks"]) == 2 and len({r["node_id"] for r in tl["ranks"]}) == 2, tl
+    assert tl["pg_placed"] is not None
+    for r in tl["ranks"]:
+        assert r["node_id"] in workers, r                                 # ranks on the added GPU nodes
+        assert r["node_added"] < r["started"], tl                         # its node was added before it was placed
+        assert r["node_added"] <= tl["pg_placed"], tl                     # (and before the group was)
+        assert r["started"] <= r["ready"] <= r["read_start"] <= r["read_end"] <= tl["load_seconds"], r
+
+    timeout_s = 15
+    proc, tl, elapsed = _experiment(tmp_path / "never", model_dir, "--tp", "2", "--gpus-per-node", "1",
+                                    "--max-workers", "1", "--timeout", str(timeout_s))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "can never have more than 1" in proc.stdout, text               # said up front
+    assert "PlacementError: could not place 2 rank(s)" in proc.stderr, text
+    assert tl["error"].startswith("PlacementError") and not tl["ranks"], tl
+    assert timeout_s <= tl["load_seconds"] < timeout_s + 15, tl           # gave up at the timeout
+    assert elapsed < timeout_s + 150, elapsed                              # cluster start + timeout + teardown
