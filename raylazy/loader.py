@@ -59,10 +59,10 @@ class LoadedModel:
         return self._refs[transport]
 
     def get(self, rank: int) -> dict:
-        """Fetch one rank's shards to the caller (a copy, through the object store on CPU)."""
+        """Copy one rank's shards to the caller through the object store (for inspection and tests)."""
         import ray
 
-        return ray.get(self.refs()[rank])
+        return ray.get(self.refs("object_store")[rank])
 
     def run(self, fn: Callable[..., Any], *args, **kwargs) -> list:
         """Call fn(rank, shards, *args, **kwargs) inside every rank actor; returns one ObjectRef per rank."""

@@ -51,8 +51,9 @@ def model_dir(request) -> str:
 
 # --- shared local Ray (added for tests/test_load.py) ------------------------------------------------
 
-#: How `ray_local` starts Ray: 8 logical CPUs so tp=4 (one CPU per rank) fits on a 2-core machine.
-LOCAL_RAY_INIT = dict(num_cpus=8, include_dashboard=False)
+#: How `ray_local` starts Ray: a new local instance (address="local": never join a cluster another
+#: process left running on this machine), 8 logical CPUs so tp=4 (one CPU per rank) fits on 2 cores.
+LOCAL_RAY_INIT = dict(address="local", num_cpus=8, include_dashboard=False)
 
 
 @pytest.fixture(scope="session")

@@ -408,28 +408,9 @@ def test_env_queue_size_honoured_and_argument_wins(monkeypatch):
 # --- through Ray -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_session(request):
-    """The suite's Ray cluster fixture if conftest has one, else a local 4-CPU Ray for this module."""
-    import ray
-
-    try:
-        request.getfixturevalue("ray_cluster")
-        yield
-        return
-    except pytest.FixtureLookupError:
-        pass
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.parametrize("queue_size", (-1, "env=2"))
-def test_load_through_ray_matches_ranged(llama_dir, ray_session, monkeypatch, queue_size):
+def test_load_through_ray_matches_ranged(llama_dir, ray_local, monkeypatch, queue_size):
     """Two loads (each starts two actors): queue_size=-1 as an argument, and 2 from the environment."""
     kwargs = {}
     if queue_size == "env=2":
