@@ -85,6 +85,10 @@ def read_header(path: str | os.PathLike) -> FileHeader:
         if not stat.S_ISREG(st.st_mode):
             raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file")
         file_size = st.st_size
+        try:  # read the header and nothing past it (a read-ahead would also mark pages that make the
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # ranks' row reads read ahead: io/common.py)
+        except OSError:
+            pass
         prefix = _pread_exact(fd, min(8, file_size), 0)
         if len(prefix) < 8:
             raise FileTooSmallError(path, f"file is {file_size} bytes, shorter than the 8-byte header length prefix")

@@ -85,6 +85,7 @@ def open_verified(ref: FileRef) -> int:
                 f"{ref.path}: file is {size} bytes but was {ref.size} when planned; it was replaced or truncated "
                 "since planning: plan again"
             )
+        _no_readahead(fd)
         prefix = os.pread(fd, 8, 0)
         n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         head = prefix + os.pread(fd, n, 8) if 0 <= n <= MAX_HEADER_BYTES else prefix
@@ -97,6 +98,17 @@ def open_verified(ref: FileRef) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _no_readahead(fd: int) -> None:
+    """POSIX_FADV_RANDOM before the first read: a plain read of the header would read ahead and mark a
+    page for more read-ahead, and a later reader that reaches the marked page (even one with
+    POSIX_FADV_RANDOM set) reads ahead from there, each window marking the next: a rank reading rows
+    with gaps then pulls the whole file from storage."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:  # advice only (e.g. not a regular file: the checks around report that)
+        pass
 
 
 def typed(flat, shard: TensorShard):

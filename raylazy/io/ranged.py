@@ -2,14 +2,16 @@
 
 Each shard is cut into windows of whole destination rows (at most `chunk_bytes`,
 or one row if a row is larger). A thread pool reads windows concurrently with
-`os.preadv`, each row range landing in place. On the CPU a window is a slice of
-the shard itself, so nothing is staged. On a GPU a window is read into one of
+`os.preadv`, each row range landing in place; a window's rows are asked of storage
+all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
+On the CPU a window is a slice of the shard itself, so nothing is staged. On a GPU a window is read into one of
 `queue_size + 2` pinned staging buffers and copied to the device asynchronously while
 the next windows are read: staging never exceeds (queue_size + 2) x window bytes.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import time
@@ -21,6 +23,11 @@ from ..plan import RankPlan, Read, TensorShard
 from .common import Counter, Progress, ReaderOptions, ReadStats, open_verified, typed
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: preadv flag for "only what is cached" (0 where unsupported: rows are then always hinted).
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+#: Bytes per POSIX_FADV_WILLNEED call: the kernel reads at most max(read-ahead, max I/O size) per call.
+_HINT_BYTES = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -144,9 +151,7 @@ class _Reader:
                 elif r.gather:
                     self._gather(fd, r, first, n, buf, job.start)
                 else:
-                    for i in range(first, first + n):
-                        dst = r.dst_offset + i * r.dst_stride - job.start
-                        _preadv_full(fd, [buf[dst : dst + r.length]], r.offset + i * r.stride)
+                    _read_rows(fd, r, first, n, buf, job.start)
             except OSError as e:
                 raise ReadError(f"{path}: reading tensor {name!r} at byte {r.offset}: {e.strerror or e}") from None
             except EOFError as e:
@@ -166,6 +171,61 @@ class _Reader:
                 if i != rows[-1] and len(gap):
                     iov.append(gap)
             _preadv_full(fd, iov, r.offset + b * r.stride)
+
+
+def _read_rows(fd: int, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
+    """Rows first .. first+n-1 of `r`, one pread each, into `buf` (which starts at shard byte `base`).
+
+    From a cold cache, row after row would each wait on storage in turn. So the first row is
+    tried without waiting (RWF_NOWAIT): if it was cached, every row is tried that way, the
+    cached ones copied at once while the kernel starts reading exactly the pages of the others
+    (then read waiting); if not, the pages of all the rows are asked for at once
+    (POSIX_FADV_WILLNEED, in runs of rows whose pages touch, so no page no row needs) and the
+    rows are then read waiting. Either way storage sees many requests at once, and only the
+    rows' own pages.
+    """
+    global _NOWAIT
+    todo = []  # (view, file offset) still to read, waiting
+    warm = None
+    for i in range(first, first + n):
+        dst = r.dst_offset + i * r.dst_stride - base
+        view, off = buf[dst : dst + r.length], r.offset + i * r.stride
+        if _NOWAIT and warm is not False:
+            try:
+                got = os.preadv(fd, [view], off, _NOWAIT)
+            except BlockingIOError:
+                got = 0
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                _NOWAIT, got = 0, 0  # not supported here: hints only
+            warm = warm or got == r.length
+            if got < r.length:
+                todo.append((view[got:], off + got))
+        else:
+            todo.append((view, off))
+    if not warm:
+        start = end = -1
+        for view, off in todo:
+            if start >= 0 and off // _PAGE <= (end - 1) // _PAGE + 1:
+                end = off + len(view)
+                continue
+            if start >= 0:
+                _willneed(fd, start, end)
+            start, end = off, off + len(view)
+        if start >= 0:
+            _willneed(fd, start, end)
+    for view, off in todo:
+        if len(view):
+            _preadv_full(fd, [view], off)
+
+
+def _willneed(fd: int, start: int, end: int) -> None:
+    try:
+        for a in range(start, end, _HINT_BYTES):
+            os.posix_fadvise(fd, a, min(_HINT_BYTES, end - a), os.POSIX_FADV_WILLNEED)
+    except OSError:  # advice only; the reads report real errors
+        pass
 
 
 def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:
