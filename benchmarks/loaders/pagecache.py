@@ -1,0 +1,81 @@
+"""Page-cache control for cold and warm runs: evict a file's pages, count resident ones, pull them in.
+
+Eviction is `posix_fadvise(POSIX_FADV_DONTNEED)`, which drops a file's clean,
+unmapped pages (no `drop_caches`: other processes' caches stay). Residency is
+`mincore(2)` on a fresh PROT_READ mapping of the file, which faults nothing in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import time
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of `path` in the page cache (whole pages; the last one counted in full)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(memoryview(vec).cast("B").tobytes().translate(bytes([0, 1] + [1] * 254))) * PAGE
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def resident(paths: list[str]) -> int:
+    return sum(resident_bytes(p) for p in paths)
+
+
+def evict(paths: list[str], timeout_s: float = 10.0) -> int:
+    """Drop the files' pages from the page cache; returns the bytes still resident (0 when it worked).
+
+    Retries while pages stay (a process that just exited may still map them).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        left = resident(paths)
+        if left == 0 or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def warm(paths: list[str]) -> int:
+    """Read the files whole so every page is cached; returns the bytes resident afterwards."""
+    buf = bytearray(16 << 20)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            off = 0
+            while n := os.preadv(fd, [buf], off):
+                off += n
+        finally:
+            os.close(fd)
+    return resident(paths)

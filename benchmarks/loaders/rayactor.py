@@ -1,0 +1,47 @@
+"""raylazy's rank actor with the benchmark's measurements around `load` (imported inside Ray workers)."""
+
+from __future__ import annotations
+
+import os
+
+from raylazy.actor import RankLoader
+from raylazy.io.common import ReadStats
+
+from .impls import checksums, measured
+
+
+class BenchRankLoader(RankLoader):
+    """RankLoader that records its pid, measures its load, and (per-rank-node runs) may sit a load out.
+
+    Subclassed per load by `configured` with the class attributes below set.
+    """
+
+    #: Ranks that read in this load (None: all). The others return empty statistics at once.
+    active: frozenset | None = None
+    #: Directory where each actor writes a file named after its rank holding its pid.
+    pid_dir: str | None = None
+
+    def __init__(self, rank: int, device: str = "auto"):
+        super().__init__(rank, device)
+        if self.pid_dir:
+            with open(os.path.join(self.pid_dir, str(rank)), "w") as fh:
+                fh.write(str(os.getpid()))
+
+    def load(self, plan, options) -> ReadStats:
+        if self.active is not None and plan.rank not in self.active:
+            return ReadStats(backend=options.backend, device=self.info_.device, extra={"skipped": True})
+        stats, m = measured(lambda: RankLoader.load(self, plan, options))
+        m.update(rank=plan.rank, shard_bytes=sum(t.nbytes for t in plan.tensors), tensors=len(plan.tensors),
+                 anon_base=m["anon_before"])  # a fresh actor per load: torch is imported, nothing else held
+        stats.extra["bench"] = m
+        return stats
+
+
+def configured(active=None, pid_dir=None) -> type:
+    return type("BenchRankLoader", (BenchRankLoader,), {
+        "active": None if active is None else frozenset(active), "pid_dir": pid_dir})
+
+
+def shard_checksums(rank: int, shards: dict) -> dict:
+    """For LoadedModel.run: the rank's shard checksums."""
+    return checksums(shards)
