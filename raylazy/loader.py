@@ -175,11 +175,26 @@ def _gather(actors, refs: list, timeout_s: float, what: str, grace_s: float = 2.
                 deadline = min(deadline, time.monotonic() + grace_s)
         if pending and time.monotonic() >= deadline:
             if not failures:
-                failures = {r: TimeoutError(f"{what} did not finish within {timeout_s:.0f} s") for r in pending}
+                failures = {r: TimeoutError(f"{what} did not finish within {timeout_s:.0f} s{_stuck(actors[r])}")
+                            for r in pending}
             break
     if failures:
         raise RankFailedError(failures, what)
     return [results[r] for r in range(len(refs))]
+
+
+def _stuck(actor) -> str:
+    """Why a rank that timed out may be stuck, when its actor is not alive (e.g. its node was lost)."""
+    try:
+        import ray._private.state as state
+
+        info = state.actors(actor._actor_id.hex())
+        if info.get("State") == "RESTARTING":
+            return ("; its actor is RESTARTING: its process or node was lost and Ray found no room to "
+                    "restart it (add capacity or lower tp)")
+    except Exception:  # noqa: BLE001  (best effort: the timeout is the error)
+        pass
+    return ""
 
 
 def _cause(e: Exception) -> BaseException:
