@@ -37,7 +37,7 @@ from .errors import (
 #: Largest header the reader accepts, as in huggingface/safetensors.
 MAX_HEADER_BYTES = 100_000_000
 #: Most ',' separators (JSON items) a header may hold, counted before parsing. Python's JSON parser
-#: needs ~30 s and 1.5 GB for a 100 MB header of 1.9 M tiny tensors; this cap bounds that to a few
+#: needs ~47 s and 1.5 GB for a 100 MB header of 1.65 M tiny tensors (2 cores); this cap bounds that to a few
 #: seconds and a few hundred MB. Each tensor entry needs at least 4, so a file holds at most 2**18
 #: tensors (save_pretrained shards hold a few thousand), or that many metadata entries or shape dims.
 MAX_HEADER_ITEMS = 2**20
