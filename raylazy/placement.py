@@ -34,7 +34,14 @@ def start_ranks(actor_cls, tp: int, device: str, use_gpu: bool, cpus_per_rank: f
 
     name = f"raylazy-{uuid.uuid4().hex[:8]}"
     bundles = rank_bundles(tp, use_gpu, cpus_per_rank)
-    pg = placement_group(bundles, strategy=strategy, name=name)
+    try:
+        pg = placement_group(bundles, strategy=strategy, name=name)
+    except BaseException:  # a KeyboardInterrupt can land once the group exists but before it is returned
+        try:
+            remove_placement_group(ray.util.get_placement_group(name))
+        except Exception:  # noqa: BLE001  (it was not created)
+            pass
+        raise
     # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
     remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
     create = (
