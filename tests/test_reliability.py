@@ -719,6 +719,25 @@ def test_keyboard_interrupt_while_waiting_for_placement_releases_everything(llam
     assert_no_leaks(before, "KeyboardInterrupt while waiting for placement")
 
 
+@pytest.mark.ray
+def test_keyboard_interrupt_inside_placement_group_creation_removes_the_group(llama_dir, ray_local, monkeypatch):
+    """The narrowest window: the group exists in the GCS but placement_group() has not returned it yet."""
+    import importlib
+
+    module = importlib.import_module("ray.util.placement_group")  # the package re-exports a function of that name
+    real = module.placement_group
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "placement_group", interrupted)
+    before = live()
+    with pytest.raises(KeyboardInterrupt):
+        raylazy.load(llama_dir, 2, device="cpu", progress=False)
+    assert_no_leaks(before, "KeyboardInterrupt inside placement_group()")
+
+
 # --- 2. node loss (a cluster of its own, in a fresh interpreter) ---------------------------------------
 #
 # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported: set later (as the test process
