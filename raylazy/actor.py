@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .errors import NoShardsError
 from .io.common import ReadStats
 from .options import ReaderOptions
 from .plan import RankPlan
@@ -84,7 +85,10 @@ class RankLoader:
     def shards(self) -> dict:
         """This rank's {name: tensor}; returned through the object store or a direct tensor transport."""
         if self._shards is None:
-            raise RuntimeError(f"rank {self.info_.rank} holds no shards (not loaded, failed, or released)")
+            raise NoShardsError(
+                f"rank {self.info_.rank} holds no shards (not loaded, failed, released, or its process was "
+                "restarted after the load): load again"
+            )
         return self._shards
 
     def run(self, fn: Callable[..., Any], *args, **kwargs) -> Any:

@@ -113,6 +113,8 @@ def _discover(root: str) -> tuple[list[str], dict[str, str] | None]:
     if os.path.exists(index):
         weight_map = _read_index(index)
         names = sorted(set(weight_map.values()))
+        if not names:
+            raise CheckpointNotFoundError(f"{index}: 'weight_map' names no tensors")
         for n in names:
             if not os.path.isfile(os.path.join(root, n)):
                 raise MissingShardError(f"{index}: shard {n!r} is not in {root}")

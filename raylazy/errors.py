@@ -161,6 +161,10 @@ class PlacementError(RaylazyError):
     """The cluster cannot place the rank actors (not enough GPUs, timed out)."""
 
 
+class NoShardsError(RaylazyError):
+    """A rank actor asked for shards it does not hold (never loaded, failed, released, or restarted)."""
+
+
 class GDSUnavailableError(RaylazyError):
     """GPUDirect Storage is not usable on this node."""
 

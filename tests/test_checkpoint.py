@@ -360,6 +360,14 @@ def test_bad_index(tmp_path, llama_dir, content):
     assert_mentions(info.value, os.path.join(d, INDEX_NAME))
 
 
+def test_index_with_empty_weight_map(tmp_path, llama_dir):
+    d = copy_model(llama_dir, tmp_path)
+    with open(os.path.join(d, INDEX_NAME), "w") as f:
+        f.write('{"metadata": {}, "weight_map": {}}')
+    with pytest.raises(CheckpointNotFoundError, match="names no tensors"):
+        open_checkpoint(d)
+
+
 def test_empty_directory(tmp_path):
     d = tmp_path / "empty"
     d.mkdir()

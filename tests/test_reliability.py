@@ -37,7 +37,7 @@ import torch
 
 import raylazy
 from raylazy.actor import RankLoader
-from raylazy.errors import FileChangedError, RankFailedError, ReadError
+from raylazy.errors import FileChangedError, NoShardsError, RankFailedError, ReadError
 from raylazy.io.common import ReaderOptions
 from raylazy.io.ranged import read_rank
 
@@ -410,7 +410,7 @@ def test_rank_killed_mid_load_is_restarted_and_reloads(llama_dir, ray_local, tmp
         # After the load, a second death loses what the rank held: the restarted actor says so
         # (it never serves empty or partial shards as complete).
         os.kill(inside[victim]["pid"], signal.SIGKILL)
-        with pytest.raises(Exception, match="holds no shards"):
+        with pytest.raises(NoShardsError, match="holds no shards"):
             wait_for(lambda: ray.get(loaded.actors[victim].run.remote(where_am_i), timeout=60)["pid"]
                      != inside[victim]["pid"], 60, "the restart")
     finally:
@@ -474,13 +474,13 @@ def test_failed_reload_leaves_the_actor_without_shards(llama_copy, ray_local):
             ray.get(actor.arm.remote(fault, 3))
             with pytest.raises(ReadError):
                 ray.get(actor.load.remote(rp, opts), timeout=120)
-            with pytest.raises(Exception, match="holds no shards"):
+            with pytest.raises(NoShardsError, match="holds no shards"):
                 ray.get(actor.shards.remote(), timeout=60)
         # the truncation changed the file: a new load is refused before reading
         ray.get(actor.arm.remote(None))
         with pytest.raises(FileChangedError):
             ray.get(actor.load.remote(rp, opts), timeout=120)
-        with pytest.raises(Exception, match="holds no shards"):
+        with pytest.raises(NoShardsError, match="holds no shards"):
             ray.get(actor.shards.remote(), timeout=60)
     finally:
         ray.kill(actor)
