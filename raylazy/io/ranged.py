@@ -142,6 +142,9 @@ class _Reader:
 
     def run(self, job: _Job, buf: memoryview) -> None:
         name = self.plan.tensors[job.tensor].name
+        for r, first, n in job.reads:  # whole ranges asked for at once (a read alone waits on each read-ahead window)
+            if r.count == 1:
+                _willneed(self.fds[r.file], r.offset + first, r.offset + first + n)
         for r, first, n in job.reads:
             fd, path = self.fds[r.file], self.plan.files[r.file].path
             try:
