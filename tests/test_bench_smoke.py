@@ -49,7 +49,7 @@ def test_tiny_checkpoint_is_built_once_and_needs_add_up(tiny_dir):
 
 def test_every_loader_tp_1_and_2(tiny_dir, tmp_path, capsys, ray_local):
     out = tmp_path / "out"
-    common = ["--model-dir", tiny_dir, "--runs", "1", "--rank-node-runs", "1"]
+    common = ["--model-dir", tiny_dir, "--runs", "1", "--warm-runs", "1", "--rank-node-runs", "1", "--gate-cpu", "0"]
     rc = bench.main(common + ["--out", str(out), "--tp", "1,2", "--placements", "node"])
     printed = capsys.readouterr().out
     assert rc == 0, printed

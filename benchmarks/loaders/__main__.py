@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 
 from . import impls, pagecache, report, runner
@@ -50,6 +52,9 @@ def parse_args(argv):
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="first wait up to this long for the 1-minute load average to drop below --quiet-load")
     ap.add_argument("--quiet-load", type=float, default=1.0)
+    ap.add_argument("--gate-cpu", type=float, default=0.3, metavar="CORES",
+                    help="before each run, wait while other processes use more than this many cores (default 0.3)")
+    ap.add_argument("--gate-max-s", type=float, default=180.0, help="longest wait before one run (default 180 s)")
     ap.add_argument("--no-chart", action="store_true")
     return ap.parse_args(argv)
 
@@ -64,6 +69,37 @@ def wait_quiet(max_s: float, threshold: float, log=print) -> float:
                 f"({'quiet' if load1 < threshold else 'not quiet: running anyway'})")
             return time.monotonic() - t0
         time.sleep(min(30.0, max(0.0, max_s - (time.monotonic() - t0))))
+
+
+def others_cpu(window_s: float = 0.5) -> float:
+    """Cores busy over `window_s` in processes other than this one and its descendants (Ray included)."""
+    import psutil
+
+    def snap():
+        me = psutil.Process()
+        mine = 0.0
+        for p in [me] + me.children(recursive=True):
+            try:
+                c = p.cpu_times()
+                mine += c.user + c.system
+            except psutil.Error:
+                pass
+        t = psutil.cpu_times()
+        return time.monotonic(), t.user + t.nice + t.system + t.irq + t.softirq + t.steal, mine
+
+    t0, b0, m0 = snap()
+    time.sleep(window_s)
+    t1, b1, m1 = snap()
+    return max(0.0, ((b1 - b0) - (m1 - m0)) / (t1 - t0))
+
+
+def gate(max_cores: float, max_s: float) -> tuple[float, float]:
+    """Wait (up to max_s) until other processes use at most max_cores; returns (their cores, seconds waited)."""
+    t0 = time.monotonic()
+    while True:
+        busy = others_cpu()
+        if busy <= max_cores or time.monotonic() - t0 >= max_s:
+            return busy, time.monotonic() - t0
 
 
 def machine(model_dir: str) -> dict:
@@ -115,6 +151,8 @@ def prepare_cache(cache: str, files: list[str], total: int) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():  # a kill cleans up (rank processes, Ray) too
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tps = [int(x) for x in args.tp.split(",")]
     loaders = [x for x in args.loaders.split(",") if x]
     unknown = set(loaders) - set(impls.ALL_LOADERS)
@@ -195,7 +233,8 @@ def _measure(args, tps, loaders, placements, caches, out, model_dir, files, tota
                             verify = ref is not None and loader != "raw" and (loader, tp) not in verified
                             rec = one_run(loader, tp, placement, cache, i, files, total_pages, groups, model_dir, reader,
                                           verify, ref, needs if loader != "raw" else raw_needs,
-                                          node_pages if loader != "raw" else total_pages)
+                                          node_pages if loader != "raw" else total_pages,
+                                          (args.gate_cpu, args.gate_max_s) if args.gate_cpu > 0 else None)
                             if rec["verified"] is not None:
                                 verified.add((loader, tp))
                             records.append(rec)
@@ -226,11 +265,15 @@ def _la(x) -> str:
 
 
 def one_run(loader, tp, placement, cache, index, files, total_pages, groups, model_dir, reader, verify, ref, needs,
-            node_pages) -> dict:
+            node_pages, gate_args=None) -> dict:
     parts = [list(range(tp))] if placement == "node" else [[r] for r in range(tp)]
-    ranks, e2e, e2e_cpu, resident, checks = [], [], [], [], {}
+    ranks, e2e, e2e_cpu, resident, checks, others, waited = [], [], [], [], {}, [], 0.0
     load1 = os.getloadavg()[0]
     for active in parts:
+        if gate_args:
+            busy, w = gate(*gate_args)
+            others.append(busy)
+            waited += w
         resident.append(prepare_cache(cache, files, total_pages))
         if loader in impls.PROCESS_LOADERS:
             res = runner.run_process(groups[loader], active, verify)
@@ -262,6 +305,7 @@ def one_run(loader, tp, placement, cache, index, files, total_pages, groups, mod
         "read_bytes": sum(m["read_bytes"] for m in ranks), "rchar": sum(m["rchar"] for m in ranks),
         "need_exact": sum(n["exact"] for n in needs), "need_pages": need_pages,
         "resident_before": max(resident) if cache == "cold" else min(resident), "load1": load1,
+        "others_cores_before": max(others) if others else None, "gate_waited_s": waited,
         "verified": ok, "ranks": ranks,
     }
 
@@ -269,9 +313,11 @@ def one_run(loader, tp, placement, cache, index, files, total_pages, groups, mod
 def _progress(rec: dict, elapsed: float) -> str:
     e2e = f" e2e {rec['e2e_s']:.2f} s" if rec.get("e2e_s") is not None else ""
     ok = {None: "", True: " verified", False: " MISMATCH"}[rec["verified"]]
+    others = "" if rec.get("others_cores_before") is None else \
+        f", others {rec['others_cores_before']:.2f} cores before, waited {rec['gate_waited_s']:.0f} s"
     return (f"[{elapsed:6.0f} s] tp={rec['tp']} {rec['placement']:<13} {rec['cache']:<4} run {rec['run']} "
             f"{rec['loader']:<15} wall {rec['wall_s']:6.2f} s{e2e} cpu {rec['cpu_s']:5.1f} s "
-            f"pulled {rec['read_bytes'] / 1e9:5.2f} GB{ok} (load {rec['load1']:.1f})")
+            f"pulled {rec['read_bytes'] / 1e9:5.2f} GB{ok} (load {rec['load1']:.1f}{others})")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def aggregate(records: list[dict]) -> list[dict]:
             "staging_bytes_per_rank": max((rk.get("staging_bytes", 0) for rk in ranks), default=0),
             "resident_before_max": max(r["resident_before"] for r in recs),
             "load1_median": _med([r["load1"] for r in recs]),
+            "others_cores_max": max((r.get("others_cores_before") or 0.0 for r in recs), default=0.0),
             "verified": _verdict([r.get("verified") for r in recs]),
         }
         row["private_over_shard_per_rank"] = max(
