@@ -10,7 +10,7 @@ from .checkpoint import Checkpoint, ModelConfig, open_checkpoint
 from .errors import RaylazyError, RankFailedError
 from .header import FileHeader, TensorInfo, read_header
 from .placements import Fused, Heads, Replicated, Skip, Split
-from .plan import Plan, RankPlan, Read, TensorShard
+from .plans import Plan, RankPlan, Read, TensorShard
 from .planner import make_plan as plan
 from .rules import PRESETS, Rule
 

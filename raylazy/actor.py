@@ -15,7 +15,7 @@ from typing import Any, Callable
 from .errors import NoShardsError
 from .io.common import ReadStats
 from .options import ReaderOptions
-from .plan import RankPlan
+from .plans import RankPlan
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from .errors import RankFailedError, RaylazyError
 from .io.common import ReadStats
 from .options import LoadOptions, load_options, reader_options
 from .placement import cluster_has_gpus, rank_bundles, start_ranks, wait_placed
-from .plan import Plan, _gb
+from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
 
@@ -79,9 +79,9 @@ class LoadedModel:
         reading = max((s.seconds for s in self.stats), default=0.0)
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp} "
-            f"backend={self.options.backend} on {len({i.node_id for i in self.ranks})} node(s): {_gb(needed)} "
+            f"backend={self.options.backend} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
-            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {_gb(read)} ({_gb(read - needed)} beyond the needed)"
+            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} ({format_bytes(read - needed)} beyond the needed)"
         )
 
     def release(self) -> None:

@@ -1,16 +1,35 @@
-"""The options of `raylazy.load`, validated (pydantic) before any actor starts."""
+"""The options of `raylazy.load` and its readers: pure data, validated (pydantic) before any actor starts."""
 
 from __future__ import annotations
 
 import os
 from typing import Literal, Optional
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigurationError
-from .io.common import ReaderOptions
 
 QUEUE_SIZE_ENV = "RAYLAZY_FASTSAFETENSORS_QUEUE_SIZE"
+
+#: Largest window of a shard one read job fills (bytes).
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+class ReaderOptions(BaseModel):
+    """What a rank's reader needs: the backend and its knobs (shipped to every actor)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    backend: Literal["ranged", "fastsafetensors"] = "ranged"
+    #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
+    #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
+    queue_size: int = Field(0, ge=-1, le=64)
+    #: Threads issuing positional reads in each rank (ranged backend).
+    threads: int = Field(4, ge=1, le=64)
+    #: Largest window of a shard one read job fills; staging buffers have this size (ranged).
+    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
+    #: fastsafetensors: None tries GPUDirect Storage when alone on a node, else nogds.
+    nogds: Optional[bool] = None
 
 
 class LoadOptions(ReaderOptions):

@@ -10,7 +10,7 @@ from .dtypes import DTYPE_BITS
 from .errors import PartialByteError, ShardingError
 from .header import TensorInfo
 from .placements import ShardContext, Skip, Slicing, Uneven
-from .plan import FileRef, Plan, RankPlan, Read, TensorShard
+from .plans import FileRef, Plan, RankPlan, Read, TensorShard
 from .rules import RulesLike, match, resolve_rules
 
 #: Default gap (bytes) between a tensor's row ranges below which they are read as one request.

@@ -16,7 +16,7 @@ import raylazy.io.fst as fst
 from raylazy.dtypes import DTYPE_BITS
 from raylazy.errors import ConfigurationError, FileChangedError, GDSUnavailableError, ReadError
 from raylazy.header import read_header
-from raylazy.io.common import ReaderOptions
+from raylazy.options import ReaderOptions
 from raylazy.io.ranged import read_rank
 from raylazy.options import QUEUE_SIZE_ENV, load_options
 from raylazy.placements import Replicated, Split

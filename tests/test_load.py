@@ -32,7 +32,7 @@ import torch
 import raylazy
 from raylazy.actor import RankLoader
 from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
-from raylazy.plan import _gb
+from raylazy.plans import format_bytes
 
 from checkpoints import reference_tensors, shard_files  # noqa: E402  (tests/ is on sys.path)
 from planlib import reference_shard
@@ -539,5 +539,5 @@ def test_progress_bar_and_summary(llama_dir, ray_local, capfd, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "raylazy" and "loaded" in r.getMessage()]
     assert len(lines) == 1, caplog.text
     line = lines[0]
-    assert os.path.basename(llama_dir) in line and "tp=2" in line and _gb(total) in line, line
+    assert os.path.basename(llama_dir) in line and "tp=2" in line and format_bytes(total) in line, line
     assert re.search(r"\d+\.\d+ s\b", line) and re.search(r"\d+\.\d+ GB/s", line), line

@@ -34,7 +34,7 @@ from raylazy.errors import (
 )
 from raylazy.header import parse_header
 from raylazy.placements import Fused, Heads, Replicated, Skip, Split
-from raylazy.plan import Plan
+from raylazy.plans import Plan
 from raylazy.planner import make_plan
 from raylazy.rules import PRESETS, Rule
 

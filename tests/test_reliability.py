@@ -38,7 +38,7 @@ import torch
 import raylazy
 from raylazy.actor import RankLoader
 from raylazy.errors import FileChangedError, NoShardsError, RankFailedError, ReadError
-from raylazy.io.common import ReaderOptions
+from raylazy.options import ReaderOptions
 from raylazy.io.ranged import read_rank
 
 from checkpoints import reference_tensors  # noqa: E402  (tests/ is on sys.path)

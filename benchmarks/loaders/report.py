@@ -82,7 +82,7 @@ def _verdict(vs):
     return "ok" if all(vs) else "MISMATCH"
 
 
-def _gb(n) -> str:
+def format_bytes(n) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
@@ -99,10 +99,10 @@ def table(rows: list[dict]) -> str:
         lines.append((
             r["loader"], str(r["tp"]), r["placement"], r["cache"],
             f"{r['wall_s']:.2f} [{r['wall_min_s']:.2f}-{r['wall_max_s']:.2f}]",
-            _x(r["e2e_s"]), _x(r["gbps"]), _x(r["cpu_s"], 1), _gb(r["pulled_bytes"]),
-            f"{_gb(r['need_exact_bytes'])} ({_gb(r['need_pages_bytes'])})",
-            _x(r["amp"]), _x(r["amp_rank_max"]), _gb(r["peak_rss_per_rank"]), _gb(r["peak_uss_per_rank"]),
-            _gb(r["peak_anon_extra_per_rank"]), _gb(r["shard_bytes_per_rank"]),
+            _x(r["e2e_s"]), _x(r["gbps"]), _x(r["cpu_s"], 1), format_bytes(r["pulled_bytes"]),
+            f"{format_bytes(r['need_exact_bytes'])} ({format_bytes(r['need_pages_bytes'])})",
+            _x(r["amp"]), _x(r["amp_rank_max"]), format_bytes(r["peak_rss_per_rank"]), format_bytes(r["peak_uss_per_rank"]),
+            format_bytes(r["peak_anon_extra_per_rank"]), format_bytes(r["shard_bytes_per_rank"]),
             _x(r["wall_vs_naive"]), _x(r["wall_vs_raw"]), r["verified"],
         ))
     widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
@@ -126,8 +126,8 @@ def markdown(rows: list[dict], select=None) -> str:
         out.append("| " + " | ".join([
             r["loader"], str(r["tp"]), r["placement"], r["cache"],
             f"{r['wall_s']:.2f} [{r['wall_min_s']:.2f}-{r['wall_max_s']:.2f}]", _x(r["e2e_s"]), _x(r["cpu_s"], 1),
-            _gb(r["pulled_bytes"]), _x(r["amp"]), _x(r["amp_rank_max"]), _gb(r["peak_anon_extra_per_rank"]),
-            f"{r['private_over_shard_per_rank'] / 1e6:.0f}", _gb(r["peak_uss_per_rank"]),
+            format_bytes(r["pulled_bytes"]), _x(r["amp"]), _x(r["amp_rank_max"]), format_bytes(r["peak_anon_extra_per_rank"]),
+            f"{r['private_over_shard_per_rank'] / 1e6:.0f}", format_bytes(r["peak_uss_per_rank"]),
             _x(r["wall_vs_naive"]), _x(r["wall_vs_raw"]), r["verified"],
         ]) + " |")
     return "\n".join(out)

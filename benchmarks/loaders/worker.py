@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     try:
         from . import impls
         from .checkpoint import checkpoint_files
-        from raylazy.plan import Plan
+        from raylazy.plans import Plan
 
         impls.preload(loader)
         import torch

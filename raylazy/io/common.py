@@ -6,36 +6,14 @@ import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Callable
 
 from ..dtypes import itemsize, torch_dtype
 from ..errors import FileChangedError, ReadError
 from ..header import MAX_HEADER_BYTES
-from ..plan import FileRef, TensorShard
+from ..plans import FileRef, TensorShard
 
 Progress = Callable[[int], None]
-
-#: Largest window of a shard one read job fills (bytes).
-DEFAULT_CHUNK_BYTES = 16 << 20
-
-
-class ReaderOptions(BaseModel):
-    """What a rank's reader needs: the backend and its knobs (shipped to every actor)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    backend: Literal["ranged", "fastsafetensors"] = "ranged"
-    #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
-    #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
-    queue_size: int = Field(0, ge=-1, le=64)
-    #: Threads issuing positional reads in each rank (ranged backend).
-    threads: int = Field(4, ge=1, le=64)
-    #: Largest window of a shard one read job fills; staging buffers have this size (ranged).
-    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
-    #: fastsafetensors: None tries GPUDirect Storage when alone on a node, else nogds.
-    nogds: Optional[bool] = None
 
 
 @dataclass

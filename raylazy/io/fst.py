@@ -55,8 +55,9 @@ from typing import Optional
 
 from ..dtypes import DTYPE_BITS
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
-from ..plan import RankPlan, TensorShard
-from .common import Counter, Progress, ReaderOptions, ReadStats, open_verified, typed
+from ..plans import RankPlan, TensorShard
+from ..options import ReaderOptions
+from .common import Counter, Progress, ReadStats, open_verified, typed
 
 log = logging.getLogger("raylazy")
 

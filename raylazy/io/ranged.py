@@ -19,8 +19,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..errors import FileChangedError, ReadError
-from ..plan import RankPlan, Read, TensorShard
-from .common import Counter, Progress, ReaderOptions, ReadStats, open_verified, typed
+from ..plans import RankPlan, Read, TensorShard
+from ..options import ReaderOptions
+from .common import Counter, Progress, ReadStats, open_verified, typed
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

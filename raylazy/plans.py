@@ -193,24 +193,24 @@ class Plan(_Frozen):
         naive = self.checkpoint_bytes
         lines = [
             f"plan: {self.root} ({self.model_type or 'unknown model type'}), tp={self.tp}, "
-            f"{len(self.files)} file(s), {_gb(naive)} in the checkpoint",
+            f"{len(self.files)} file(s), {format_bytes(naive)} in the checkpoint",
             f"{'rank':>4} {'tensors':>8} {'needed':>11} {'read':>11} {'requests':>9} {'files':>5}",
         ]
         for rp in self.ranks:
             s = rp.stats
             lines.append(
-                f"{rp.rank:>4} {s.tensors:>8} {_gb(s.bytes_needed):>11} {_gb(s.bytes_read):>11} "
+                f"{rp.rank:>4} {s.tensors:>8} {format_bytes(s.bytes_needed):>11} {format_bytes(s.bytes_read):>11} "
                 f"{s.requests:>9} {s.files:>5}"
             )
         total = self.bytes_read
         lines.append(
-            f"all ranks read {_gb(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
+            f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
             f"whole on every rank would be {self.tp:.0f}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
         )
         return "\n".join(lines)
 
 
-def _gb(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
