@@ -91,6 +91,10 @@ class CheckpointNotFoundError(CheckpointError):
     """No safetensors file (or index) in the directory."""
 
 
+class ModelNotCachedError(CheckpointNotFoundError):
+    """A model id (`org/name[@revision]`) that is not a local path and not in the local Hugging Face cache."""
+
+
 class UnsafePathError(CheckpointError):
     """An index names a shard outside the model directory (traversal, absolute path)."""
 

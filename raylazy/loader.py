@@ -19,7 +19,7 @@ from .actor import RankInfo, RankLoader
 from .errors import RankFailedError, RaylazyError
 from .io.common import ReadStats
 from .options import LoadOptions, load_options, reader_options
-from .placement import cluster_has_gpus, rank_bundles, start_ranks, wait_placed
+from .placement import check_placeable, cluster_has_gpus, cpu_share, ensure_ray, rank_bundles, start_ranks, wait_placed
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
@@ -116,17 +116,19 @@ def load(
     import ray
 
     opts = load_options(tp=tp, device=device, backend=backend, **options)
-    if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING)
+    own_ray = ensure_ray()
     t0 = time.perf_counter()
     use_gpu = opts.use_gpu if opts.use_gpu is not None else (opts.device != "cpu" and cluster_has_gpus())
-    pg, actors, name = start_ranks(actor_cls, opts.tp, opts.device, use_gpu, opts.cpus_per_rank,
-                                   opts.placement_strategy, opts.max_retries)
+    cpus = opts.cpus_per_rank
+    if cpus is None:  # ranks are processes, not cores: on our own local Ray they share its CPUs
+        cpus = cpu_share(ray.cluster_resources().get("CPU", 0), opts.tp) if own_ray else 1.0
+    bundles = rank_bundles(opts.tp, use_gpu, cpus)
+    check_placeable(bundles, opts.placement_strategy, opts.autoscale)
+    pg, actors, name = start_ranks(actor_cls, bundles, opts.device, opts.placement_strategy, opts.max_retries)
     try:
         plan = make_plan(model_dir, opts.tp, rules=rules, preset=opts.preset, uneven=opts.uneven,
                          max_gap=opts.max_gap)
-        wait_placed(pg, opts.tp, f"{rank_bundles(1, use_gpu, opts.cpus_per_rank)[0]} each, "
-                    f"{opts.placement_strategy}", opts.placement_timeout_s)
+        wait_placed(pg, opts.tp, f"{bundles[0]} each, {opts.placement_strategy}", opts.placement_timeout_s)
         ranks = _gather(actors, [a.info.remote() for a in actors], opts.timeout_s, "start")
         reader = reader_options(opts)
         per_node = Counter(info.node_id for info in ranks)

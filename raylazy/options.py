@@ -40,8 +40,13 @@ class LoadOptions(ReaderOptions):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: Reserve one GPU per rank: None = when the cluster has GPUs.
     use_gpu: Optional[bool] = None
-    cpus_per_rank: float = Field(1.0, ge=0)
+    #: CPUs reserved per rank: None = 1, or on a local Ray that raylazy started, an equal share of its CPUs
+    #: (min(1, CPUs / tp)), so any tp loads on any machine.
+    cpus_per_rank: Optional[float] = Field(None, ge=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    #: Whether an autoscaler may add nodes for a request the cluster cannot place now: None = detect it.
+    #: Without one, an unplaceable request fails at once instead of waiting placement_timeout_s.
+    autoscale: Optional[bool] = None
     placement_timeout_s: float = Field(300.0, gt=0)
     #: Whole load (after placement) must finish within this many seconds.
     timeout_s: float = Field(1800.0, gt=0)
