@@ -1,4 +1,4 @@
-"""Reserve one bundle per rank in a placement group and start a rank actor in each.
+"""Where ranks may go: joining or starting Ray, each rank's bundle, and whether a cluster can ever hold them.
 
 Before anything is created, the request is checked against the nodes the cluster
 has: one that can never be placed (a bundle larger than every node, more bundles
@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import uuid
 from typing import Mapping, Sequence
 
 from .errors import PlacementError
@@ -119,72 +118,16 @@ def check_placeable(bundles: list[dict], strategy: str, autoscale: bool | None) 
         return
     if autoscale if autoscale is not None else autoscaler_can_add_nodes():
         return
-    per_node = "; ".join(_resources(n) for n in nodes) or "no nodes"
+    per_node = "; ".join(describe_resources(n) for n in nodes) or "no nodes"
     raise PlacementError(
-        f"{len(bundles)} rank(s) of {_resources(bundles[0])} each ({strategy}) can never be placed: the cluster's "
+        f"{len(bundles)} rank(s) of {describe_resources(bundles[0])} each ({strategy}) can never be placed: the cluster's "
         f"{len(nodes)} node(s) have {per_node}, and no autoscaler can add nodes. Lower tp, pass use_gpu=False or a "
         "smaller cpus_per_rank, change placement_strategy, or add nodes (autoscale=True waits up to "
         "placement_timeout_s for nodes to join)"
     )
 
 
-def start_ranks(actor_cls, bundles: list[dict], device: str, strategy: str, max_retries: int):
-    """Create the placement group and one actor per bundle; returns (placement group, actors, name).
-
-    The actors start (and import torch) as soon as the group is placed, while the
-    caller goes on planning.
-    """
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    name = f"raylazy-{uuid.uuid4().hex[:8]}"
-    tp = len(bundles)
-    try:
-        pg = placement_group(bundles, strategy=strategy, name=name)
-    except BaseException:  # a KeyboardInterrupt can land once the group exists but before it is returned
-        try:
-            remove_placement_group(ray.util.get_placement_group(name))
-        except Exception:  # noqa: BLE001  (it was not created)
-            pass
-        raise
-    # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
-    remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
-    create = (
-        remote_cls.options(
-            name=f"{name}-rank{r}",
-            num_cpus=bundles[r].get("CPU", 0),
-            num_gpus=bundles[r].get("GPU", 0),
-            max_concurrency=4,  # progress() and shards() answer while load() runs
-            max_restarts=max_retries,
-            max_task_retries=max_retries,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=r
-            ),
-        ).remote(r, device)
-        for r in range(tp)
-    )
-    try:
-        actors = list(create)
-    except BaseException:  # e.g. a KeyboardInterrupt: removing the group also kills the actors already created
-        remove_placement_group(pg)
-        raise
-    return pg, actors, name
-
-
-def wait_placed(pg, tp: int, bundles_desc: str, timeout_s: float) -> None:
-    """Wait until the group is placed, or raise PlacementError saying what was asked and what exists."""
-    import ray
-
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        raise PlacementError(
-            f"could not place {tp} rank(s) ({bundles_desc}) within {timeout_s:.0f} s; the cluster has "
-            f"{_resources(ray.cluster_resources())} in all and {_resources(ray.available_resources())} free. "
-            "Add nodes, lower tp, or pass use_gpu=False / a smaller cpus_per_rank"
-        )
-
-
-def _resources(res: Mapping[str, float]) -> str:
+def describe_resources(res: Mapping[str, float]) -> str:
+    """"2 CPU, 1 GPU": the CPUs and GPUs of a resource map (else its first keys)."""
     keys = [k for k in ("CPU", "GPU") if k in res] or sorted(res)[:3]
     return ", ".join(f"{res.get(k, 0):g} {k}" for k in keys) or "nothing"
