@@ -138,6 +138,10 @@ class RuleError(ShardingError):
     """A rule that cannot apply to the tensor it matched (dim out of range, head counts...)."""
 
 
+class RuleFileError(RuleError):
+    """A rules file (`--rules FILE`) that is not a JSON list of valid rules; names the file and the entry."""
+
+
 class PlanFormatError(RaylazyError):
     """A serialised plan that cannot be read back."""
 
@@ -147,6 +151,15 @@ class PlanFormatError(RaylazyError):
 
 class ConfigurationError(RaylazyError):
     """Invalid options passed to raylazy (wraps pydantic's validation report)."""
+
+    @classmethod
+    def from_validation(cls, error, what: str) -> "ConfigurationError":
+        """The error for a pydantic ValidationError of `what`, naming each bad field, its value and the problem."""
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {err['msg']}" if err["loc"] else err["msg"]
+            for err in error.errors()
+        )
+        return cls(f"invalid {what}: {problems}")
 
 
 class FileChangedError(RaylazyError):
