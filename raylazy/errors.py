@@ -155,11 +155,16 @@ class ConfigurationError(RaylazyError):
     @classmethod
     def from_validation(cls, error, what: str) -> "ConfigurationError":
         """The error for a pydantic ValidationError of `what`, naming each bad field, its value and the problem."""
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {err['msg']}" if err["loc"] else err["msg"]
-            for err in error.errors()
-        )
-        return cls(f"invalid {what}: {problems}")
+        return cls(f"invalid {what}: {validation_problems(error)}")
+
+
+def validation_problems(error, field: str | None = None) -> str:
+    """A pydantic ValidationError (of `field`, if given) as `field=value: problem; ...`, one entry per bad field."""
+    out = []
+    for err in error.errors():
+        loc = ((field,) if field else ()) + tuple(err["loc"])
+        out.append(f"{'.'.join(str(p) for p in loc)}={err.get('input')!r}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(out)
 
 
 class FileChangedError(RaylazyError):

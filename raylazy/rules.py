@@ -87,8 +87,8 @@ def as_rules(rules: RulesLike | None) -> tuple[Rule, ...]:
     out = []
     for item in items:
         rule = item if isinstance(item, Rule) else Rule(*item)
-        if not isinstance(rule.placement, (Replicated, Skip, Split, Heads, Fused)):
-            raise RuleError(f"rule {rule.pattern!r}: {rule.placement!r} is not a placement")
+        if not isinstance(rule.placement, Placement):
+            raise RuleError(f"rule {rule.pattern!r}: {rule.placement!r} is not a placement (a raylazy.placements.Placement)")
         out.append(rule)
     return tuple(out)
 
