@@ -9,10 +9,11 @@ drives one actor per rank.
 from .checkpoint import Checkpoint, ModelConfig, open_checkpoint
 from .errors import RaylazyError, RankFailedError
 from .header import FileHeader, TensorInfo, read_header
-from .placements import Fused, Heads, Replicated, Skip, Split
+from .mesh import Mesh
+from .placements import Fused, Heads, Placement, Replicated, Skip, Split
 from .plans import Plan, RankPlan, Read, TensorShard
 from .planner import make_plan as plan
-from .rules import PRESETS, Rule
+from .rules import PRESETS, Rule, read_rules
 
 __version__ = "0.1.0"
 
@@ -25,7 +26,7 @@ def load(model_dir, tp: int = 8, **kwargs):
 
 
 __all__ = [
-    "Checkpoint", "FileHeader", "Fused", "Heads", "ModelConfig", "PRESETS", "Plan", "RankFailedError",
-    "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split", "TensorInfo", "TensorShard",
-    "load", "open_checkpoint", "plan", "read_header",
+    "Checkpoint", "FileHeader", "Fused", "Heads", "Mesh", "ModelConfig", "PRESETS", "Placement", "Plan",
+    "RankFailedError", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split", "TensorInfo",
+    "TensorShard", "load", "open_checkpoint", "plan", "read_header", "read_rules",
 ]

@@ -1,4 +1,4 @@
-"""The options of `raylazy.plan`, `raylazy.load` and its readers: pure data, validated (pydantic) before any actor starts."""
+"""The options of `raylazy.plan`, `raylazy.load` and its readers: pure data, validated (pydantic) up front."""
 
 from __future__ import annotations
 

@@ -49,14 +49,16 @@ def make_plan(
             continue
         whole = None  # one shard object shared by every rank that gets the whole tensor
         for c, shards in zip(coords, per_rank):
-            ctx = ShardContext(c["tp"], mesh.tp, cfg.num_attention_heads, cfg.num_key_value_heads, opts.uneven, t.name, c)
+            ctx = ShardContext(c["tp"], mesh.tp, cfg.num_attention_heads, cfg.num_key_value_heads, opts.uneven,
+                               t.name, c)
             try:
                 slicing = placement.slicing(t.shape, ctx)
             except ShardingError as e:
                 raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                               f"({placement.describe()}, rule {rule.pattern!r}): {e}") from None
             if slicing is None:
-                whole = whole or _shard(fi, t, placement.describe(), None, opts.max_gap)
+                if whole is None:
+                    whole = _shard(fi, t, placement.describe(), None, opts.max_gap)
                 shards.append(whole)
             else:
                 shards.append(_shard(fi, t, placement.describe(), slicing, opts.max_gap, ckpt.files[fi].path))

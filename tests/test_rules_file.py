@@ -173,3 +173,13 @@ def test_invalid_rules_files_name_the_entry(tmp_path, llama_dir, capsys, content
 def test_missing_rules_file(tmp_path):
     with pytest.raises(RuleFileError, match="nope.json: cannot read"):
         read_rules(tmp_path / "nope.json")
+
+
+def test_the_readme_example_is_a_valid_rules_file(tmp_path):
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        readme = f.read()
+    example = readme.split("```json\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "rules.json").write_text(example)
+    rules = read_rules(tmp_path / "rules.json")
+    assert rules[2].placement == Fused((Heads("q"), Heads("kv"), Heads("kv")))
+    assert rules[4].regex and rules[4].matches("model.layers.12.mlp.down_proj.weight")
