@@ -145,13 +145,15 @@ def test_a_user_placement_plans_like_the_builtin_ones(llama_dir):
         assert apply_reads(by_name[gate], files) == as_bytes(torch.cat([g0[rank::4], g1[rank::4]]))
 
 
-def test_placements_round_trip_through_dicts():
+def test_placements_round_trip_through_dicts(tmp_path):
     for p in (Replicated(), Split(-1), Split(0, uneven="pad", pad_to=64), Heads("kv", heads=4),
               Fused((Heads("q"), Heads("kv"), Heads("kv"))), Fused((EveryNth(1), Split(1)), dim=1), EveryNth(1)):
         assert placement_from_dict(p.to_dict()) == p
     assert Split(-1).to_dict() == {"type": "split", "dim": -1}
     assert Fused((Split(0), Split(0))).to_dict() == {"type": "fused", "parts": [{"type": "split", "dim": 0}] * 2}
     assert PLACEMENT_TYPES["test-every-nth"] is EveryNth
+    (tmp_path / "rules.json").write_text('[{"pattern": "*", "placement": {"type": "test-every-nth", "dim": 1}}]')
+    assert read_rules(tmp_path / "rules.json")[0].placement == EveryNth(1)  # a registered user class in a rule file
 
 
 def test_type_names_are_unique_and_rules_want_placements(llama_dir):
