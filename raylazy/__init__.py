@@ -11,15 +11,16 @@ from .errors import RaylazyError, RankFailedError
 from .group import RankGroup
 from .header import FileHeader, TensorInfo, read_header
 from .loader import LoadedModel, load
-from .placements import Fused, Heads, Replicated, Skip, Split
+from .mesh import Mesh
+from .placements import Fused, Heads, Placement, Replicated, Skip, Split
 from .plans import Plan, RankPlan, Read, TensorShard, format_bytes
 from .planner import make_plan as plan
-from .rules import PRESETS, Rule
+from .rules import PRESETS, Rule, read_rules
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "FileHeader", "Fused", "Heads", "LoadedModel", "ModelConfig", "PRESETS", "Plan", "RankFailedError",
-    "RankGroup", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split", "TensorInfo",
-    "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header",
+    "Checkpoint", "FileHeader", "Fused", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
+    "Plan", "RankFailedError", "RankGroup", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split",
+    "TensorInfo", "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rules",
 ]

@@ -41,12 +41,21 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
                    help="what to do with a dim tp does not divide")
     p.add_argument("--max-gap", type=int, default=0, help="read row gaps up to this many bytes as one request")
+    p.add_argument("--rules", metavar="FILE", help='sharding rules (JSON list of {"pattern": ..., "placement": '
+                   '{"type": ...}}), tried before the preset; see the README\'s "Sharding rules"')
+
+
+def _rules(args):
+    from .rules import read_rules
+
+    return read_rules(args.rules) if args.rules else None
 
 
 def _plan(args) -> int:
     from .planner import make_plan
 
-    plan = make_plan(args.model_dir, args.tp, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap)
+    plan = make_plan(args.model_dir, args.tp, rules=_rules(args), preset=args.preset, uneven=args.uneven,
+                     max_gap=args.max_gap)
     if args.json == "-":
         print(plan.to_json())
         return 0
@@ -63,6 +72,7 @@ def _load(args) -> int:
 
     from .loader import load
 
+    rules = _rules(args)  # a bad rules file fails before Ray starts
     with tempfile.TemporaryDirectory(prefix="raylazy-demo-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
@@ -72,8 +82,8 @@ def _load(args) -> int:
             print(f"no model given: generated a Llama-shaped checkpoint in {model_dir}")
         if args.address:
             ray.init(address=args.address)
-        loaded = load(model_dir, args.tp, backend=args.backend, device=args.device, queue_size=args.queue_size,
-                      preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
+        loaded = load(model_dir, args.tp, rules=rules, backend=args.backend, device=args.device,
+                      queue_size=args.queue_size, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
                       progress=False if args.no_progress else None)
         try:
             print(f"{'rank':>4} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} {'requests':>9} {'seconds':>8}")
