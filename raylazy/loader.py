@@ -19,8 +19,9 @@ from .actor import RankInfo, RankLoader
 from .errors import ConfigurationError
 from .group import RankGroup
 from .io.common import ReadStats
-from .options import LoadOptions, load_options, reader_options
-from .placement import check_placeable, cluster_has_gpus, cpu_share, ensure_ray, rank_bundles
+from .options import LoadOptions, load_options
+from .mesh import Mesh
+from .placement import check_placeable, ensure_ray, rank_bundles
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
@@ -94,7 +95,7 @@ class LoadedModel:
         reading = max((s.seconds for s in self.stats), default=0.0)
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp} "
-            f"backend={self.options.backend} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
+            f"backend={self.options.reader.backend} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} "
             f"({format_bytes(read - needed)} beyond the needed)"
@@ -114,44 +115,38 @@ class LoadedModel:
 
 def load(
     model_dir: str | os.PathLike,
-    tp: int = 1,
+    tp: int | None = None,
     *,
+    mesh: Mesh | None = None,
     rules: RulesLike | None = None,
     device: str = "auto",
     backend: str = "ranged",
     actor_cls: type = RankLoader,
     **options: Any,
 ) -> LoadedModel:
-    """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`:
-    each rank's actor reads only its byte ranges onto its device.
+    """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`
+    (default 1; or a `mesh`): each rank's actor reads only its byte ranges onto its device.
 
     rules: sharding rules before the preset (see `raylazy.rules`). device: "auto" (the GPU Ray gives the
     rank, else the CPU), "cpu" or "cuda". backend: "ranged" or "fastsafetensors". actor_cls: the rank
     actor's class, `RankLoader` or a subclass. Options (validated before anything starts; see
-    `raylazy.options.LoadOptions`): queue_size, threads, chunk_bytes, nogds (reading); use_gpu,
-    cpus_per_rank, placement_strategy, autoscale, placement_timeout_s, max_retries (placement);
-    timeout_s, transport, progress; preset, uneven, max_gap (planning).
+    `raylazy.options`, a ConfigurationError otherwise): preset, uneven, max_gap (PlanOptions); queue_size,
+    threads, chunk_bytes, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy, autoscale,
+    placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
     Joins the Ray in use (or RAY_ADDRESS, or one running on this machine), else starts a local one.
     """
-    import ray
-
-    opts = load_options(tp=tp, device=device, backend=backend, **options)
+    opts = load_options(tp=tp, mesh=mesh, device=device, backend=backend, **options)
+    place = opts.placement
     own_ray = ensure_ray()
     t0 = time.perf_counter()
-    use_gpu = opts.use_gpu if opts.use_gpu is not None else (opts.device != "cpu" and cluster_has_gpus())
-    cpus = opts.cpus_per_rank
-    if cpus is None:  # ranks are processes, not cores: on our own local Ray they share its CPUs
-        cpus = cpu_share(ray.cluster_resources().get("CPU", 0), opts.tp) if own_ray else 1.0
-    bundles = rank_bundles(opts.tp, use_gpu, cpus)
-    check_placeable(bundles, opts.placement_strategy, opts.autoscale)
-    group = RankGroup.create(bundles, opts.device, opts.placement_strategy, opts.max_retries, actor_cls)
+    bundles = rank_bundles(opts.plan.mesh.size, place, own_ray)
+    check_placeable(bundles, place.placement_strategy, place.autoscale)
+    group = RankGroup.create(bundles, place.device, place.placement_strategy, place.max_retries, actor_cls)
     try:
-        plan = make_plan(model_dir, opts.tp, rules=rules, preset=opts.preset, uneven=opts.uneven,
-                         max_gap=opts.max_gap)
-        ranks = group.wait_ready(opts.placement_timeout_s, opts.timeout_s)
-        reader = reader_options(opts)
+        plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
+        ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
         sharing = {info.node_id: sum(i.node_id == info.node_id for i in ranks) for info in ranks}
-        loads = [a.load.remote(rp, _rank_reader(reader, sharing[info.node_id]))
+        loads = [a.load.remote(rp, _rank_reader(opts.reader, sharing[info.node_id]))
                  for a, rp, info in zip(group.actors, plan.ranks, ranks)]
         stats = _wait_with_progress(group, loads, plan, opts)
     except BaseException:

@@ -44,10 +44,10 @@ class PlanOptions(BaseModel):
             return data
         data = dict(data)
         tp = data.pop("tp", None)
-        if (tp is None) == (data.get("mesh") is None):
-            raise ValueError(f"give exactly one of tp (got {tp!r}) and mesh (got {data.get('mesh')!r})")
-        if tp is not None:
-            data["mesh"] = Mesh(tp=tp)
+        if tp is not None and data.get("mesh") is not None:
+            raise ValueError(f"give tp (got {tp!r}) or mesh (got {data.get('mesh')!r}), not both")
+        if data.get("mesh") is None:  # neither: one rank, as everywhere in raylazy
+            data["mesh"] = Mesh(tp=1 if tp is None else tp)
         return data
 
     @field_validator("mesh")
@@ -81,10 +81,11 @@ class ReaderOptions(BaseModel):
     nogds: Optional[bool] = None
 
 
-class LoadOptions(ReaderOptions):
-    """Everything `raylazy.load` accepts besides the model and the rules."""
+class PlacementOptions(BaseModel):
+    """Where the rank actors run and how they are kept: devices, resources, strategy, waiting, restarts."""
 
-    tp: int = Field(ge=1, le=4096)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
     #: "auto": the GPU Ray assigned to the rank's actor, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: Reserve one GPU per rank: None = when the cluster has GPUs.
@@ -97,21 +98,37 @@ class LoadOptions(ReaderOptions):
     #: Without one, an unplaceable request fails at once instead of waiting placement_timeout_s.
     autoscale: Optional[bool] = None
     placement_timeout_s: float = Field(300.0, gt=0)
-    #: Whole load (after placement) must finish within this many seconds.
-    timeout_s: float = Field(1800.0, gt=0)
     #: Times a rank's actor is restarted (and re-reads its plan) after its process dies.
     max_retries: int = Field(2, ge=0)
+
+
+class LoadOptions(BaseModel):
+    """Everything `raylazy.load` accepts besides the model and the rules, in groups."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    plan: PlanOptions
+    reader: ReaderOptions = ReaderOptions()
+    placement: PlacementOptions = PlacementOptions()
+    #: Whole load (after placement) must finish within this many seconds.
+    timeout_s: float = Field(1800.0, gt=0)
     #: How shard refs travel: "auto" = object store for CPU shards, CUDA IPC for GPU shards.
     transport: Literal["auto", "object_store", "nccl", "gloo", "nixl", "cuda_ipc"] = "auto"
     #: Show a progress bar: None = when stderr is a terminal.
     progress: Optional[bool] = None
-    preset: Optional[str] = "auto"
-    uneven: Literal["error", "chunk", "pad"] = "error"
-    max_gap: int = Field(0, ge=0)
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+
+#: The option groups of `raylazy.load`, each taking its own keyword options (the plan also takes `tp`).
+_GROUPS = {"plan": PlanOptions, "reader": ReaderOptions, "placement": PlacementOptions}
 
 
 def load_options(**kwargs) -> LoadOptions:
-    """Validate `raylazy.load` keyword options; the fastsafetensors queue size may come from the environment."""
+    """Validate `raylazy.load`'s flat keyword options into their groups (a ConfigurationError names the bad or
+    unknown ones); the fastsafetensors queue size may come from the environment."""
     if kwargs.get("queue_size") is None:
         kwargs.pop("queue_size", None)
         env = os.environ.get(QUEUE_SIZE_ENV)
@@ -120,8 +137,9 @@ def load_options(**kwargs) -> LoadOptions:
                 kwargs["queue_size"] = int(env)
             except ValueError:
                 raise ConfigurationError(f"{QUEUE_SIZE_ENV}={env!r} is not an integer (-1, 0 or a positive depth)") from None
-    return validated(LoadOptions, **kwargs)
-
-
-def reader_options(opts: LoadOptions) -> ReaderOptions:
-    return ReaderOptions(**{k: getattr(opts, k) for k in ReaderOptions.model_fields})
+    groups: dict[str, dict] = {name: {} for name in _GROUPS}
+    top = {}
+    for key, value in kwargs.items():
+        owner = next((g for g, cls in _GROUPS.items() if key in cls.model_fields or (g, key) == ("plan", "tp")), None)
+        (groups[owner] if owner else top)[key] = value
+    return validated(LoadOptions, **top, **{g: validated(cls, **groups[g]) for g, cls in _GROUPS.items()})

@@ -16,6 +16,7 @@ import os
 from typing import Mapping, Sequence
 
 from .errors import PlacementError
+from .options import PlacementOptions
 
 
 #: GCS address of the local Ray that `ensure_ray` started in this process, if any.
@@ -44,9 +45,17 @@ def ensure_ray() -> bool:
     return _started_gcs is not None and _started_gcs == ray.get_runtime_context().gcs_address
 
 
-def rank_bundles(tp: int, use_gpu: bool, cpus_per_rank: float) -> list[dict]:
-    """One bundle per rank: a GPU each when asked, CPUs otherwise (logical resources are fine)."""
-    bundle = {"CPU": cpus_per_rank} if cpus_per_rank else {}
+def rank_bundles(tp: int, opts: PlacementOptions, own_ray: bool) -> list[dict]:
+    """One bundle per rank: a GPU each when `use_gpu` (None: when the device is not the CPU and the cluster has
+    GPUs; logical GPUs are fine), and `cpus_per_rank` CPUs (None: 1, or an equal share of a local Ray that
+    raylazy started, since ranks are processes, not cores)."""
+    import ray
+
+    use_gpu = opts.use_gpu if opts.use_gpu is not None else (opts.device != "cpu" and cluster_has_gpus())
+    cpus = opts.cpus_per_rank
+    if cpus is None:
+        cpus = cpu_share(ray.cluster_resources().get("CPU", 0), tp) if own_ray else 1.0
+    bundle = {"CPU": cpus} if cpus else {}
     if use_gpu:
         bundle["GPU"] = 1
     return [dict(bundle) for _ in range(tp)]

@@ -31,7 +31,7 @@ def make_plan(
 ) -> Plan:
     """Plan which bytes of which file every rank of `mesh` (or of `tp` ranks) reads. Reads headers only.
 
-    Give exactly one of `tp` and `mesh`; invalid options are a ConfigurationError.
+    Give `tp` or `mesh` (neither: one rank); invalid options are a ConfigurationError.
     """
     opts = validated(PlanOptions, tp=tp, mesh=mesh, preset=preset, uneven=uneven, max_gap=max_gap)
     mesh = opts.mesh

@@ -396,13 +396,13 @@ def test_bad_env_queue_size_refused_before_any_actor(llama_dir, no_actors, monke
 
 def test_env_queue_size_honoured_and_argument_wins(monkeypatch):
     monkeypatch.setenv(QUEUE_SIZE_ENV, "3")
-    assert load_options(tp=2, backend="fastsafetensors").queue_size == 3
-    assert load_options(tp=2, backend="fastsafetensors", queue_size=None).queue_size == 3
-    assert load_options(tp=2, backend="fastsafetensors", queue_size=-1).queue_size == -1
-    assert load_options(tp=2, backend="fastsafetensors", queue_size=0).queue_size == 0
-    assert load_options(tp=2, backend="ranged").queue_size == 0  # the variable is fastsafetensors'
+    assert load_options(tp=2, backend="fastsafetensors").reader.queue_size == 3
+    assert load_options(tp=2, backend="fastsafetensors", queue_size=None).reader.queue_size == 3
+    assert load_options(tp=2, backend="fastsafetensors", queue_size=-1).reader.queue_size == -1
+    assert load_options(tp=2, backend="fastsafetensors", queue_size=0).reader.queue_size == 0
+    assert load_options(tp=2, backend="ranged").reader.queue_size == 0  # the variable is fastsafetensors'
     monkeypatch.setenv(QUEUE_SIZE_ENV, "garbage")
-    assert load_options(tp=2, backend="fastsafetensors", queue_size=1).queue_size == 1  # not even read
+    assert load_options(tp=2, backend="fastsafetensors", queue_size=1).reader.queue_size == 1  # not even read
 
 
 # --- through Ray -----------------------------------------------------------------------------------
@@ -420,7 +420,7 @@ def test_load_through_ray_matches_ranged(llama_dir, ray_local, monkeypatch, queu
         kwargs["queue_size"] = queue_size
     with raylazy.load(llama_dir, tp=2, backend="fastsafetensors", device="cpu", progress=False, **kwargs) as m:
         expected_q = 2 if queue_size == "env=2" else queue_size
-        assert m.options.queue_size == expected_q
+        assert m.options.reader.queue_size == expected_q
         for rank, rp in enumerate(m.plan.ranks):
             assert_same_shards(m.get(rank), read_rank(rp, "cpu")[0])
             s = m.stats[rank]

@@ -91,10 +91,10 @@ def test_bad_planning_options_from_the_cli(llama_dir, capsys, command, args, bad
     assert "ConfigurationError" in err and bad in err
 
 
-def test_tp_or_mesh_exactly_once(llama_dir):
-    for kwargs in ({}, {"tp": 2, "mesh": Mesh(tp=2)}):
-        with pytest.raises(ConfigurationError, match="exactly one of tp"):
-            make_plan(llama_dir, **kwargs)
+def test_tp_or_mesh_not_both_and_one_rank_by_default(llama_dir):
+    with pytest.raises(ConfigurationError, match="not both"):
+        make_plan(llama_dir, tp=2, mesh=Mesh(tp=2))
+    assert make_plan(llama_dir).mesh == Mesh(tp=1) == load_options().plan.mesh
 
 
 def test_validated_names_every_bad_field():

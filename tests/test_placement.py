@@ -11,7 +11,7 @@ import pytest
 
 import raylazy
 from raylazy.errors import PlacementError
-from raylazy.placement import can_ever_place, cpu_share, node_capacity, rank_bundles
+from raylazy.placement import can_ever_place, cpu_share, node_capacity
 
 ONE_CPU, GPU = {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1}
 
@@ -87,6 +87,3 @@ def test_embedded_default_loads_any_tp_on_two_cores(tmp_path):
     assert [int(r[0]) for r in rows] == list(range(8)), run.stdout
     assert "tp=8" in run.stderr + run.stdout
 
-
-def test_rank_bundles_use_the_share():
-    assert rank_bundles(3, False, cpu_share(2, 3)) == [{"CPU": 0.6666}] * 3
