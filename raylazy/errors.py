@@ -77,7 +77,7 @@ class FileSizeMismatchError(HeaderError):
 
 
 class TooManyEntriesError(HeaderError):
-    """The header holds more JSON items than `raylazy.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
+    """The header holds more JSON items, or more containers, than `raylazy.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
 
 
 # --- checkpoints and model configs ---------------------------------------------

@@ -40,6 +40,7 @@ MAX_HEADER_BYTES = 100_000_000
 #: needs ~47 s and 1.5 GB for a 100 MB header of 1.65 M tiny tensors (2 cores); this cap bounds that to a few
 #: seconds and a few hundred MB. Each tensor entry needs at least 4, so a file holds at most 2**18
 #: tensors (save_pretrained shards hold a few thousand), or that many metadata entries or shape dims.
+#: The '[' and '{' (containers) are capped at the same number (each tensor entry needs 3).
 MAX_HEADER_ITEMS = 2**20
 _U64 = 2**64
 
@@ -105,12 +106,7 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
         raise FileTooSmallError(path, f"file is {len(data)} bytes, shorter than the 8-byte header length prefix")
     header_len = _check_length(path, data[:8], file_size)
     blob = bytes(data[8 : 8 + header_len])
-    items = blob.count(b",")
-    if items > MAX_HEADER_ITEMS:
-        raise TooManyEntriesError(
-            path, f"header holds {items} JSON items (',' separators), over the cap of {MAX_HEADER_ITEMS} "
-            f"(at most {MAX_HEADER_ITEMS // 4} tensors per file); refused before parsing to bound time and memory"
-        )
+    _check_item_counts(path, blob)
     try:
         text = blob.decode("utf-8", errors="strict")
     except UnicodeDecodeError as e:
@@ -145,6 +141,23 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def _check_item_counts(path: str, blob: bytes) -> None:
+    """Refuse, before parsing, a header with more separators or more containers than MAX_HEADER_ITEMS.
+
+    Separators bound the values side by side; containers bound the values nested in one another
+    (100 MB of `[[[...]]]` 120 deep has few commas but ~50 M lists: ~50 s and 4.6 GB to parse).
+    """
+    for what, n in (
+        ("JSON items (',' separators)", blob.count(b",")),
+        ("JSON containers ('[' and '{')", blob.count(b"[") + blob.count(b"{")),
+    ):
+        if n > MAX_HEADER_ITEMS:
+            raise TooManyEntriesError(
+                path, f"header holds {n} {what}, over the cap of {MAX_HEADER_ITEMS} (at most "
+                f"{MAX_HEADER_ITEMS // 4} tensors per file); refused before parsing to bound time and memory"
+            )
 
 
 def _check_length(path: str, prefix: bytes, file_size: int) -> int:
