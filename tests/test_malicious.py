@@ -26,6 +26,7 @@ import textwrap
 import time
 
 import pytest
+import safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -205,6 +206,27 @@ def test_other_bombs_are_refused(tmp_path, kind):
     path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0")
     r = isolated(f"raylazy.header.read_header({str(path)!r})")
     assert r["error"] == "TooManyEntriesError" and r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["0." + "0" * 99_999_800 + "1", "1" + "0" * 99_999_800, "1.7976931348623158" + "0" * 99_999_800 + "e308"],
+    ids=["tiny-fraction", "huge-integer", "f64-edge-long-fraction"],
+)
+def test_a_100_mb_number_is_judged_in_bounded_time_as_safetensors_judges_it(tmp_path, number):
+    # The reference refuses numbers out of the f64 range even in keys it ignores; judging one stays cheap.
+    body = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + number.encode() + b"}}"
+    blob = struct.pack("<Q", len(body)) + body + b"\0"
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(blob)
+    try:
+        safetensors.deserialize(blob)
+        accepted = True
+    except Exception:
+        accepted = False
+    r = isolated(f"result['tensors'] = len(raylazy.header.read_header({str(path)!r}).tensors)")
+    assert r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
+    assert ("error" not in r) if accepted else (r["error"] == "HeaderJSONError" and "out of the range" in r["message"]), r
 
 
 def test_largest_allowed_header_parses_in_bounded_time(tmp_path):
