@@ -33,7 +33,7 @@ from .errors import (
     HeaderJSONError,
     HeaderLengthError,
     MetadataError,
-    PartialByteError,
+    PartialByteTensorError,
     TensorEntryError,
     TensorSizeError,
     TooManyEntriesError,
@@ -324,7 +324,7 @@ def _check_entry(path: str, name: str, entry: Any, data_start: int) -> TensorInf
         raise TensorSizeError(path, f"{where}: shape {shape} of {dtype} overflows 64 bits (element or bit count)")
     nbytes = nbytes_of(dtype, numel)
     if nbytes is None:
-        raise PartialByteError(
+        raise PartialByteTensorError(
             path, f"{where}: {numel} elements of {dtype} are {numel * DTYPE_BITS[dtype]} bits, not whole bytes"
         )
     if nbytes != end - begin:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from raylazy import errors
 from raylazy.dtypes import DTYPE_BITS, nbytes_of
 from raylazy.errors import (
+    CheckpointError,
     DataLayoutError,
     DuplicateKeyError,
     FileSizeMismatchError,
@@ -34,6 +35,7 @@ from raylazy.errors import (
     HeaderLengthError,
     MetadataError,
     PartialByteError,
+    PartialByteTensorError,
     RaylazyError,
     TensorEntryError,
     TensorSizeError,
@@ -330,7 +332,8 @@ def test_shape_product_overflows_64_bits(tmp_path, dtype, shape):
 def test_sub_byte_tensor_not_whole_bytes(tmp_path, dtype, shape):
     numel = math.prod(shape)
     nbytes = numel * DTYPE_BITS[dtype] // 8 + 1
-    err, _ = reject(tmp_path, build({"w": entry(dtype, shape, 0, nbytes)}, b"x" * nbytes), PartialByteError)
+    err, _ = reject(tmp_path, build({"w": entry(dtype, shape, 0, nbytes)}, b"x" * nbytes), PartialByteTensorError)
+    assert isinstance(err, PartialByteError) and isinstance(err, CheckpointError) and not isinstance(err, errors.ShardingError)
     assert_mentions(err, "'w'", dtype, f"{numel} elements", f"{numel * DTYPE_BITS[dtype]} bits")
 
 
@@ -963,6 +966,35 @@ def test_errors_pickle_round_trip(cls):
         assert {r: (type(e), str(e)) for r, e in back.failures.items()} == {
             r: (type(e), str(e)) for r, e in err.failures.items()
         }
+
+
+#: What a caller catches, and for what: every error class sits under exactly one of these.
+FAMILIES = (
+    errors.CheckpointError,  # the files on disk: the directory, the index, config.json, a header
+    errors.ShardingError,  # the rules (and tp) against the checkpoint
+    errors.PlanFormatError,  # a saved plan that cannot be read back
+    errors.ConfigurationError,  # the options of a call
+    errors.PlacementError,  # the cluster cannot host the ranks
+    errors.LoadError,  # reading on the ranks, after planning and placement
+)
+
+
+@pytest.mark.parametrize("cls", _all_error_classes(), ids=lambda c: c.__name__)
+def test_every_error_sits_in_one_family(cls):
+    families = [f for f in FAMILIES if issubclass(cls, f)]
+    if cls in (RaylazyError, PartialByteError):  # the root, and the base shared by a header and a sharding kind
+        assert families == []
+    else:
+        assert len(families) == 1, (cls, families)
+    if issubclass(cls, HeaderError):
+        assert families == [errors.CheckpointError]
+
+
+def test_every_family_is_in_the_readme():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## Errors") :].split("\n## ")[0]
+    for cls in (*FAMILIES, PartialByteError, errors.RankFailedError):
+        assert f"`{cls.__name__}`" in section, cls.__name__
 
 
 def test_raised_header_errors_pickle_round_trip(tmp_path):
