@@ -197,11 +197,11 @@ def _parse_json(path: str, text: str) -> dict:
     def no_constant(name: str):
         raise HeaderJSONError(path, f"header uses the non-standard JSON constant {name}")
 
-    def number(text: str, convert):
-        if abs(float(text)) >= 1.797e308 and _out_of_f64_range(text):  # only near or past the largest f64
-            raise HeaderJSONError(path, f"header number {text[:40]}{'...' if len(text) > 40 else ''} is out of "
+    def number(s: str, convert):
+        if abs(float(s)) >= 1.797e308 and _out_of_f64_range(s):  # only near or past the largest f64
+            raise HeaderJSONError(path, f"header number {s[:40]}{'...' if len(s) > 40 else ''} is out of "
                                   "the range of a 64-bit float, which the reference reader refuses")
-        return convert(text)
+        return convert(s)
 
     try:
         root = json.loads(
