@@ -1,7 +1,10 @@
 """Every error raylazy raises: one class per failure kind, all under RaylazyError.
 
-Messages name the file, the tensor and the numbers involved, and say how to fix
-the problem where there is something the user can do.
+Each kind sits under the family a caller would catch: CheckpointError (the files on
+disk, headers included), ShardingError (the rules against the checkpoint),
+PlanFormatError, ConfigurationError, PlacementError, and LoadError (reading on the
+ranks). Messages name the file, the tensor and the numbers involved, and say how to
+fix the problem where there is something the user can do.
 """
 
 from __future__ import annotations
@@ -13,10 +16,22 @@ class RaylazyError(Exception):
     """Base of every error raylazy raises on purpose."""
 
 
+# --- bases that the sections below share ----------------------------------------
+
+
+class CheckpointError(RaylazyError):
+    """A model directory that is not a usable safetensors checkpoint (a broken header included)."""
+
+
+class PartialByteError(RaylazyError):
+    """Bits that are not whole bytes (sub-byte dtypes): catch it for both kinds, a tensor in a
+    header (PartialByteTensorError, a HeaderError) and a planned slice (PartialByteSliceError, a ShardingError)."""
+
+
 # --- safetensors headers -----------------------------------------------------
 
 
-class HeaderError(RaylazyError):
+class HeaderError(CheckpointError):
     """A safetensors file whose header breaks the format. `path` names the file."""
 
     def __init__(self, path: str, message: str):
@@ -68,8 +83,8 @@ class TensorSizeError(HeaderError):
     """A tensor's byte length differs from shape x dtype size."""
 
 
-class PartialByteError(HeaderError):
-    """A tensor (or a slice of one) whose bit count is not a whole number of bytes."""
+class PartialByteTensorError(HeaderError, PartialByteError):
+    """A tensor whose bit count is not a whole number of bytes."""
 
 
 class FileSizeMismatchError(HeaderError):
@@ -77,14 +92,10 @@ class FileSizeMismatchError(HeaderError):
 
 
 class TooManyEntriesError(HeaderError):
-    """The header holds more JSON items than `raylazy.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
+    """The header holds more JSON items, or more containers, than `raylazy.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
 
 
 # --- checkpoints and model configs ---------------------------------------------
-
-
-class CheckpointError(RaylazyError):
-    """A model directory that is not a usable safetensors checkpoint."""
 
 
 class CheckpointNotFoundError(CheckpointError):
@@ -146,6 +157,10 @@ class RuleFileError(RuleError):
     """A rules file (`--rules FILE`) that is not a JSON list of valid rules; names the file and the entry."""
 
 
+class PartialByteSliceError(ShardingError, PartialByteError):
+    """A slice of a sub-byte tensor that does not start and end on whole bytes."""
+
+
 class PlanFormatError(RaylazyError):
     """A serialised plan that cannot be read back."""
 
@@ -171,11 +186,16 @@ def validation_problems(error, field: str | None = None) -> str:
     return "; ".join(out)
 
 
-class FileChangedError(RaylazyError):
+class LoadError(RaylazyError):
+    """Loading on the ranks failed after planning and placement: a read, a file changed since
+    planning, GPUDirect Storage, ranks that failed (RankFailedError) or hold no shards."""
+
+
+class FileChangedError(LoadError):
     """A checkpoint file differs from the one the plan was made from."""
 
 
-class ReadError(RaylazyError):
+class ReadError(LoadError):
     """Reading planned bytes failed (I/O error, permission, file truncated)."""
 
 
@@ -183,15 +203,15 @@ class PlacementError(RaylazyError):
     """The cluster cannot place the rank actors (not enough GPUs, timed out)."""
 
 
-class NoShardsError(RaylazyError):
+class NoShardsError(LoadError):
     """A rank actor asked for shards it does not hold (never loaded, failed, released, or restarted)."""
 
 
-class GDSUnavailableError(RaylazyError):
+class GDSUnavailableError(LoadError):
     """GPUDirect Storage is not usable on this node."""
 
 
-class RankFailedError(RaylazyError):
+class RankFailedError(LoadError):
     """One or more ranks failed; `failures` maps each failed rank to its cause."""
 
     def __init__(self, failures: Mapping[int, BaseException], context: str = "load"):

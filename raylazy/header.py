@@ -1,16 +1,22 @@
 """Strict reader of safetensors headers: reads the length prefix and JSON header, never tensor data.
 
 The rules follow huggingface/safetensors (which is the reference for what is
-accepted) and are stricter where the format leaves room for ambiguity: duplicate
-keys at any level, floats or booleans where integers belong, and integers at or
-past 2**64 are refused. Each failure kind has its own exception class.
+accepted), including its JSON parser's (serde_json's) limits everywhere in the
+header: numbers it finds out of the f64 range, lone UTF-16 surrogate escapes in
+strings and keys, containers nested deeper than 127 levels. They are stricter
+where the format leaves room for ambiguity: duplicate keys at any level, and
+tensor entries (or dtypes) spelled in serde's alternative forms (a JSON array
+for the entry, `{"F32": null}` for the dtype), are refused. Each failure kind
+has its own exception class.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -27,7 +33,7 @@ from .errors import (
     HeaderJSONError,
     HeaderLengthError,
     MetadataError,
-    PartialByteError,
+    PartialByteTensorError,
     TensorEntryError,
     TensorSizeError,
     TooManyEntriesError,
@@ -40,8 +46,15 @@ MAX_HEADER_BYTES = 100_000_000
 #: needs ~47 s and 1.5 GB for a 100 MB header of 1.65 M tiny tensors (2 cores); this cap bounds that to a few
 #: seconds and a few hundred MB. Each tensor entry needs at least 4, so a file holds at most 2**18
 #: tensors (save_pretrained shards hold a few thousand), or that many metadata entries or shape dims.
+#: The '[' and '{' (containers) are capped at the same number (each tensor entry needs 3).
 MAX_HEADER_ITEMS = 2**20
+#: Deepest nesting of JSON arrays and objects (the header's own object is level 1) that the reference
+#: accepts: serde_json refuses the 128th level.
+MAX_HEADER_DEPTH = 127
 _U64 = 2**64
+_I32_MAX = 2**31 - 1
+_NUMBER = re.compile(r"-?(\d+)(?:\.(\d+))?(?:[eE]([+-]?)(\d+))?")
+_ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +118,7 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
         raise FileTooSmallError(path, f"file is {len(data)} bytes, shorter than the 8-byte header length prefix")
     header_len = _check_length(path, data[:8], file_size)
     blob = bytes(data[8 : 8 + header_len])
-    items = blob.count(b",")
-    if items > MAX_HEADER_ITEMS:
-        raise TooManyEntriesError(
-            path, f"header holds {items} JSON items (',' separators), over the cap of {MAX_HEADER_ITEMS} "
-            f"(at most {MAX_HEADER_ITEMS // 4} tensors per file); refused before parsing to bound time and memory"
-        )
+    _check_item_counts(path, blob)
     try:
         text = blob.decode("utf-8", errors="strict")
     except UnicodeDecodeError as e:
@@ -147,6 +155,23 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def _check_item_counts(path: str, blob: bytes) -> None:
+    """Refuse, before parsing, a header with more separators or more containers than MAX_HEADER_ITEMS.
+
+    Separators bound the values side by side; containers bound the values nested in one another
+    (100 MB of `[[[...]]]` 120 deep has few commas but ~50 M lists: ~50 s and 4.6 GB to parse).
+    """
+    for what, n in (
+        ("JSON items (',' separators)", blob.count(b",")),
+        ("JSON containers ('[' and '{')", blob.count(b"[") + blob.count(b"{")),
+    ):
+        if n > MAX_HEADER_ITEMS:
+            raise TooManyEntriesError(
+                path, f"header holds {n} {what}, over the cap of {MAX_HEADER_ITEMS} (at most "
+                f"{MAX_HEADER_ITEMS // 4} tensors per file); refused before parsing to bound time and memory"
+            )
+
+
 def _check_length(path: str, prefix: bytes, file_size: int) -> int:
     n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER_BYTES:
@@ -172,18 +197,76 @@ def _parse_json(path: str, text: str) -> dict:
     def no_constant(name: str):
         raise HeaderJSONError(path, f"header uses the non-standard JSON constant {name}")
 
+    def number(s: str, convert):
+        if abs(float(s)) >= 1.797e308 and _out_of_f64_range(s):  # only near or past the largest f64
+            raise HeaderJSONError(path, f"header number {s[:40]}{'...' if len(s) > 40 else ''} is out of "
+                                  "the range of a 64-bit float, which the reference reader refuses")
+        return convert(s)
+
     try:
         root = json.loads(
             text,
             object_pairs_hook=_no_duplicates(path),
             parse_constant=no_constant,
-            parse_int=lambda s: -0.0 if s == "-0" else int(s),  # `-0` is a float to the reference reader
+            parse_float=lambda s: number(s, float),
+            # `-0` is a float to the reference reader; integers past 19 digits are floats there too
+            parse_int=lambda s: -0.0 if s == "-0" else int(s) if len(s) < 20 else number(s, int),
         )
     except (ValueError, RecursionError) as e:  # JSONDecodeError, over-long integers, deep nesting
         raise HeaderJSONError(path, f"header is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(root, dict):
         raise HeaderJSONError(path, f"header is a JSON {type(root).__name__}, not an object")
     return root
+
+
+def _out_of_f64_range(number: str) -> bool:
+    """Whether the reference's JSON parser refuses the JSON number `number` as out of range.
+
+    serde_json (built without `float_roundtrip`, as safetensors is) keeps the leading digits
+    that fit a u64, drops the rest (counting dropped integer digits in the exponent), and scales
+    by a power of ten in f64, refusing an infinite result: a few numbers within an ulp of the
+    largest f64 (1.7976931348623158e308) are refused there, though they round to it.
+    """
+    whole, frac, sign, exp = _NUMBER.fullmatch(number).groups()
+    significand, exponent = 0, 0
+    for i, c in enumerate(whole):
+        if significand * 10 + int(c) >= _U64:
+            exponent = len(whole) - i
+            break
+        significand = significand * 10 + int(c)
+    if frac and not significand:  # leading zeros only move the exponent (and may be megabytes long)
+        exponent -= len(frac) - len(frac.lstrip("0"))
+        frac = frac.lstrip("0")
+    for c in frac or "":
+        if significand * 10 + int(c) >= _U64:
+            break
+        significand, exponent = significand * 10 + int(c), exponent - 1
+    if exp is not None:
+        digits = exp.lstrip("0") or "0"
+        e = int(digits) if len(digits) <= 10 else _I32_MAX + 1
+        if e > _I32_MAX:  # serde_json gives up: 0 if the significand is 0 or the exponent negative, else refused
+            return significand != 0 and sign != "-"
+        exponent += -e if sign == "-" else e
+    if significand == 0 or exponent < 0:
+        return False
+    return exponent > 308 or math.isinf(float(significand) * float(f"1e{exponent}"))
+
+
+def _check_free_json(path: str, where: str, value: Any, depth: int) -> None:
+    """An unknown key's value, which the reference parses and drops: its strings must be Unicode text
+    and its containers (at `depth`, the header's own object being 1) no deeper than MAX_HEADER_DEPTH."""
+    if isinstance(value, str):
+        _check_text(path, value)
+    elif isinstance(value, (list, dict)):
+        if depth > MAX_HEADER_DEPTH:
+            raise HeaderJSONError(path, f"{where}: header nests JSON containers deeper than {MAX_HEADER_DEPTH} "
+                                  "levels, which the reference reader refuses")
+        if isinstance(value, dict):
+            for key in value:
+                _check_text(path, key)
+            value = value.values()
+        for item in value:
+            _check_free_json(path, where, item, depth + 1)
 
 
 def _check_metadata(path: str, entry: Any) -> Mapping[str, str] | None:
@@ -215,9 +298,13 @@ def _check_entry(path: str, name: str, entry: Any, data_start: int) -> TensorInf
     where = f"tensor {name!r}"
     if not isinstance(entry, dict):
         raise TensorEntryError(path, f"{where}: entry is a JSON {type(entry).__name__}, not an object")
-    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    missing = [k for k in _ENTRY_FIELDS if k not in entry]
     if missing:
         raise TensorEntryError(path, f"{where}: entry lacks {', '.join(missing)}")
+    for key, value in entry.items():
+        if key not in _ENTRY_FIELDS:  # ignored, as the reference ignores it, once it parses as the reference parses
+            _check_text(path, key)
+            _check_free_json(path, f"{where}, key {key!r}", value, 3)
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise UnknownDTypeError(path, f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})")
@@ -229,13 +316,15 @@ def _check_entry(path: str, name: str, entry: Any, data_start: int) -> TensorInf
     if end < begin:
         raise DataLayoutError(path, f"{where}: data_offsets [{begin}, {end}] end before they begin")
     numel = 1
-    for d in shape:  # left to right with overflow checks, as the reference reader multiplies
+    for d in shape:  # left to right, failing on the first overflow even before a 0 dim, as the reference does
         numel *= d
-        if numel * DTYPE_BITS[dtype] >= _U64:
-            raise TensorSizeError(path, f"{where}: shape {shape} of {dtype} overflows 64 bits")
+        if numel >= _U64:
+            break
+    if numel * DTYPE_BITS[dtype] >= _U64:  # then its bit count must fit too
+        raise TensorSizeError(path, f"{where}: shape {shape} of {dtype} overflows 64 bits (element or bit count)")
     nbytes = nbytes_of(dtype, numel)
     if nbytes is None:
-        raise PartialByteError(
+        raise PartialByteTensorError(
             path, f"{where}: {numel} elements of {dtype} are {numel * DTYPE_BITS[dtype]} bits, not whole bytes"
         )
     if nbytes != end - begin:

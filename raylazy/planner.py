@@ -7,7 +7,7 @@ from math import prod
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .dtypes import DTYPE_BITS
-from .errors import PartialByteError, ShardingError
+from .errors import PartialByteSliceError, ShardingError
 from .header import TensorInfo
 from .mesh import Mesh
 from .options import PlanOptions, validated
@@ -92,8 +92,9 @@ def _shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_
                 slicing.length * inner_bits)
         contiguous = outer == 1 or offs[1] == offs[2] == offs[4]  # one range: only its ends must be whole bytes
         if any(b % 8 for b in ((offs[0], offs[1] * outer, offs[3]) if contiguous else offs)):
-            raise PartialByteError(path, f"tensor {t.name!r}: a slice along dim {d} of {t.dtype} {list(shape)} "
-                                   "does not start and end on whole bytes")
+            raise PartialByteSliceError(f"{path}: tensor {t.name!r}: the slice [{p.src}:{p.src + p.length}] along dim {d} "
+                                        f"of {t.dtype} {list(shape)} does not start and end on whole bytes: split another "
+                                        "dim, or replicate the tensor")
         if contiguous:
             reads.append(Read(file=fi, offset=t.start + offs[0] // 8, length=offs[1] * outer // 8,
                               dst_offset=offs[3] // 8))

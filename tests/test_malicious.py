@@ -26,6 +26,7 @@ import textwrap
 import time
 
 import pytest
+import safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -188,17 +189,44 @@ def test_header_bomb_through_open_checkpoint(tmp_path, tensor_bomb):
     assert r["error"] == "TooManyEntriesError" and r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
 
 
-@pytest.mark.parametrize("kind", ["metadata", "shape"])  # a million tiny metadata strings; a million dims
+# a million tiny metadata strings; a million dims; ~50 million nested lists with few commas (~50 s, 4.6 GB to parse)
+@pytest.mark.parametrize("kind", ["metadata", "shape", "nesting"])
 def test_other_bombs_are_refused(tmp_path, kind):
     path = tmp_path / "x.safetensors"
     if kind == "metadata":
         items = b",".join([b'"%x":""' % i for i in range(MAX_HEADER_ITEMS + 10)])
         body = b'{"__metadata__":{' + items + b"}}"
-    else:
+    elif kind == "shape":
         body = b'{"t":{"dtype":"U8","shape":[' + b",".join([b"1"] * (MAX_HEADER_ITEMS + 10)) + b'],"data_offsets":[0,1]}}'
+    else:  # each 240-byte unit: 120 lists, one comma
+        unit = b"[" * 120 + b"]" * 120
+        units = b",".join([unit] * ((MAX_HEADER_BYTES - 100) // (len(unit) + 1)))
+        body = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[' + units + b"]}}"
+        assert body.count(b",") < MAX_HEADER_ITEMS < body.count(b"[") and len(body) <= MAX_HEADER_BYTES
     path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0")
     r = isolated(f"raylazy.header.read_header({str(path)!r})")
     assert r["error"] == "TooManyEntriesError" and r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["0." + "0" * 99_999_800 + "1", "1" + "0" * 99_999_800, "1.7976931348623158" + "0" * 99_999_800 + "e308"],
+    ids=["tiny-fraction", "huge-integer", "f64-edge-long-fraction"],
+)
+def test_a_100_mb_number_is_judged_in_bounded_time_as_safetensors_judges_it(tmp_path, number):
+    # The reference refuses numbers out of the f64 range even in keys it ignores; judging one stays cheap.
+    body = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + number.encode() + b"}}"
+    blob = struct.pack("<Q", len(body)) + body + b"\0"
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(blob)
+    try:
+        safetensors.deserialize(blob)
+        accepted = True
+    except Exception:
+        accepted = False
+    r = isolated(f"result['tensors'] = len(raylazy.header.read_header({str(path)!r}).tensors)")
+    assert r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
+    assert ("error" not in r) if accepted else (r["error"] == "HeaderJSONError" and "out of the range" in r["message"]), r
 
 
 def test_largest_allowed_header_parses_in_bounded_time(tmp_path):

@@ -24,8 +24,11 @@ from planlib import apply_reads, as_bytes, read_files, read_ranges, reference_sh
 from raylazy.checkpoint import Checkpoint, ModelConfig
 from raylazy.dtypes import DTYPE_BITS
 from raylazy.errors import (
+    CheckpointError,
+    HeaderError,
     IndivisibleDimError,
     PartialByteError,
+    PartialByteSliceError,
     PlanFormatError,
     RuleError,
     ShardingError,
@@ -616,6 +619,19 @@ def _header_and_file(dtype: str, shape: tuple[int, ...], seed: int) -> tuple[byt
     header = json.dumps({"t": {"dtype": dtype, "shape": list(shape), "data_offsets": [0, nbytes]}}).encode()
     data = bytes((seed * 131 + i * 197 + (i >> 8) * 7) % 251 for i in range(nbytes))
     return struct.pack("<Q", len(header)) + header + data, 8 + len(header)
+
+
+def test_a_slice_off_whole_bytes_is_a_sharding_error_not_a_header_error():
+    """A valid F4 file (2 x 2 = 2 bytes) split by columns over 2 ranks: each row's slice is half a byte."""
+    blob, _ = _header_and_file("F4", (2, 2), 0)
+    ckpt = Checkpoint(root="/nonexistent", files=(parse_header(blob, len(blob), "t.safetensors"),), config=ModelConfig())
+    with pytest.raises(ShardingError) as info:  # what a caller catches for rules that do not fit the checkpoint
+        make_plan(ckpt, 2, rules=[("t", Split(-1))], preset=None)
+    err = info.value
+    assert type(err) is PartialByteSliceError and isinstance(err, PartialByteError)
+    assert not isinstance(err, (HeaderError, CheckpointError))
+    assert "t.safetensors" in str(err) and "'t'" in str(err) and "[0:1] along dim 1" in str(err) and "F4 [2, 2]" in str(err)
+    assert pickle.loads(pickle.dumps(err)).args == err.args
 
 
 def _bits(data: bytes) -> str:
