@@ -24,23 +24,16 @@ _started_gcs: str | None = None
 
 
 def ensure_ray() -> bool:
-    """Join Ray (initialised already, RAY_ADDRESS, or a cluster running on this machine), else start a local
-    one (also when RAY_ADDRESS=local, Ray's convention). Returns True when the Ray in use is a local one that
-    raylazy started: its CPUs are then ours to share among the ranks."""
+    """Use the Ray this process has initialised, else the cluster RAY_ADDRESS names, else start a local Ray of
+    our own (never joining a cluster by guessing). Returns True when the Ray in use is a local one that raylazy
+    started: its CPUs are then ours to share among the ranks."""
     global _started_gcs
     import ray
 
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or "auto"
-        if address != "local":
-            try:
-                ray.init(address=address, logging_level=logging.WARNING)
-            except ConnectionError:
-                if address != "auto":
-                    raise
-                address = "local"  # nothing running on this machine
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, logging_level=logging.WARNING)
         if address == "local":
-            ray.init(address="local", logging_level=logging.WARNING)
             _started_gcs = ray.get_runtime_context().gcs_address
     return _started_gcs is not None and _started_gcs == ray.get_runtime_context().gcs_address
 
