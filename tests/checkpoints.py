@@ -120,11 +120,12 @@ def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of `t`, as safetensors stores them."""
-    t = t.contiguous()
+    """The raw little-endian bytes of `t` (on any device), as safetensors stores them: for
+    bit-for-bit comparisons."""
+    t = t.detach().cpu().contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
-    return t.view(torch.uint8).numpy().tobytes()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 if __name__ == "__main__":  # print what transformers writes, for the record
