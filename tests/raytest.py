@@ -1,8 +1,8 @@
 """What the Ray tests share: loading with a test rank actor, checking ranks bit for bit against
 safetensors, finding raylazy's live actors and placement groups, and waiting for them to go.
 
-Functions defined here travel to the rank actors by value (`loaded.run(where_am_i)`): the
-workers need not import this file.
+Functions defined here and in checkpoints.py travel to the rank actors by value
+(`loaded.run(where_am_i)`): the workers need not import these files.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import time
 import raylazy
 from raylazy.actor import RankLoader
 
+import checkpoints
 from checkpoints import reference_tensors, tensor_bytes
 from planlib import reference_shard
 
 try:
     import ray.cloudpickle
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    for _module in (sys.modules[__name__], checkpoints):  # tensor_bytes runs in the actors too
+        ray.cloudpickle.register_pickle_by_value(_module)
 except Exception:  # noqa: BLE001  (Ray missing: the Ray tests skip)
     pass
 
