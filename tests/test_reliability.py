@@ -4,9 +4,9 @@ or failing under the reader, memory bounds, concurrent loads, and an interrupted
 Each fault is injected deterministically:
 
 * A rank is made to block part-way through its read on the first attempt only
-  (`blocking_loader`: an `actor_cls` that patches the ranged reader in its own process
-  and leaves a marker file with its pid and node), so the driver knows exactly when to
-  kill its process, remove its node or interrupt itself.
+  (`blocking_loader`: a test rank actor, loaded with `raytest.load_with`, that patches the
+  ranged reader in its own process and leaves a marker file with its pid and node), so the
+  driver knows exactly when to kill its process, remove its node or interrupt itself.
 * Reader faults patch `os.preadv` / `os.open` (in the test process for direct
   `read_rank` calls, inside the actor for loads): tests run as root, so permissions
   cannot be taken away with chmod.
