@@ -8,24 +8,19 @@ drives one actor per rank.
 
 from .checkpoint import Checkpoint, ModelConfig, open_checkpoint
 from .errors import RaylazyError, RankFailedError
+from .group import RankGroup
 from .header import FileHeader, TensorInfo, read_header
-from .placements import Fused, Heads, Replicated, Skip, Split
-from .plans import Plan, RankPlan, Read, TensorShard
+from .loader import LoadedModel, load
+from .mesh import Mesh
+from .placements import Fused, Heads, Placement, Replicated, Skip, Split
+from .plans import Plan, RankPlan, Read, TensorShard, format_bytes
 from .planner import make_plan as plan
-from .rules import PRESETS, Rule
+from .rules import PRESETS, Rule, read_rules
 
 __version__ = "0.1.0"
 
-
-def load(model_dir, tp: int = 8, **kwargs):
-    """Load `model_dir` with tensor parallelism `tp` on Ray; see `raylazy.loader.load`."""
-    from .loader import load as _load
-
-    return _load(model_dir, tp, **kwargs)
-
-
 __all__ = [
-    "Checkpoint", "FileHeader", "Fused", "Heads", "ModelConfig", "PRESETS", "Plan", "RankFailedError",
-    "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split", "TensorInfo", "TensorShard",
-    "load", "open_checkpoint", "plan", "read_header",
+    "Checkpoint", "FileHeader", "Fused", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
+    "Plan", "RankFailedError", "RankGroup", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split",
+    "TensorInfo", "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rules",
 ]

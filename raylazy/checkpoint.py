@@ -29,6 +29,7 @@ from .errors import (
     UnsafePathError,
 )
 from .header import FileHeader, TensorInfo, read_header
+from .hub import resolve_model
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -94,8 +95,9 @@ class Checkpoint:
 
 
 def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
-    """Discover the safetensors files of `model_dir`, validate their headers and read config.json."""
-    path = os.path.abspath(os.fspath(model_dir))
+    """Discover the safetensors files of `model_dir` (a path, or a model id in the local Hugging Face
+    cache), validate their headers and read config.json."""
+    path = os.path.abspath(resolve_model(model_dir))
     if os.path.isfile(path):
         root, names, weight_map = os.path.dirname(path), [os.path.basename(path)], None
     elif os.path.isdir(path):

@@ -14,13 +14,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan which bytes each tensor-parallel rank reads (headers only)")
-    p.add_argument("model_dir")
+    p.add_argument("model_dir", help="model directory, or a model id (org/name[@revision]) in the local Hugging Face cache")
     _planning_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH ('-' for stdout)")
 
     p = sub.add_parser("load", help="load a checkpoint on Ray, one actor per rank, and print the summary")
     p.add_argument("model_dir", nargs="?", help="model directory (default: generate a small Llama-shaped one)")
-    _planning_args(p, tp=2)
+    _planning_args(p)
     p.add_argument("--backend", choices=["ranged", "fastsafetensors"], default="ranged")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--queue-size", type=int, default=None)
@@ -35,18 +35,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _planning_args(p: argparse.ArgumentParser, tp: int = 8) -> None:
-    p.add_argument("--tp", type=int, default=tp, help=f"tensor-parallel world size (default {tp})")
+def _planning_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel world size (default 1, as raylazy.plan/load)")
     p.add_argument("--preset", default="auto", help="sharding preset (default: from config.json model_type)")
     p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
                    help="what to do with a dim tp does not divide")
     p.add_argument("--max-gap", type=int, default=0, help="read row gaps up to this many bytes as one request")
+    p.add_argument("--rules", metavar="FILE", help='sharding rules (JSON list of {"pattern": ..., "placement": '
+                   '{"type": ...}}), tried before the preset; see the README\'s "Sharding rules"')
+
+
+def _rules(args):
+    from .rules import read_rules
+
+    return read_rules(args.rules) if args.rules else None
 
 
 def _plan(args) -> int:
     from .planner import make_plan
 
-    plan = make_plan(args.model_dir, args.tp, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap)
+    plan = make_plan(args.model_dir, args.tp, rules=_rules(args), preset=args.preset, uneven=args.uneven,
+                     max_gap=args.max_gap)
     if args.json == "-":
         print(plan.to_json())
         return 0
@@ -63,6 +72,7 @@ def _load(args) -> int:
 
     from .loader import load
 
+    rules = _rules(args)  # a bad rules file fails before Ray starts
     with tempfile.TemporaryDirectory(prefix="raylazy-demo-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
@@ -72,14 +82,15 @@ def _load(args) -> int:
             print(f"no model given: generated a Llama-shaped checkpoint in {model_dir}")
         if args.address:
             ray.init(address=args.address)
-        loaded = load(model_dir, args.tp, backend=args.backend, device=args.device, queue_size=args.queue_size,
-                      preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
+        loaded = load(model_dir, args.tp, rules=rules, backend=args.backend, device=args.device,
+                      queue_size=args.queue_size, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
                       progress=False if args.no_progress else None)
         try:
             print(f"{'rank':>4} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} {'requests':>9} {'seconds':>8}")
             for info, st, rp in zip(loaded.ranks, loaded.stats, loaded.plan.ranks):
                 print(f"{info.rank:>4} {info.node_id[:10]:>10} {info.device:>7} {len(rp.tensors):>7} "
                       f"{st.bytes_needed:>12} {st.requests:>9} {st.seconds:>8.3f}")
+            print(loaded.summary())
         finally:
             loaded.release()
     return 0

@@ -91,6 +91,10 @@ class CheckpointNotFoundError(CheckpointError):
     """No safetensors file (or index) in the directory."""
 
 
+class ModelNotCachedError(CheckpointNotFoundError):
+    """A model id (`org/name[@revision]`) that is not a local path and not in the local Hugging Face cache."""
+
+
 class UnsafePathError(CheckpointError):
     """An index names a shard outside the model directory (traversal, absolute path)."""
 
@@ -138,6 +142,10 @@ class RuleError(ShardingError):
     """A rule that cannot apply to the tensor it matched (dim out of range, head counts...)."""
 
 
+class RuleFileError(RuleError):
+    """A rules file (`--rules FILE`) that is not a JSON list of valid rules; names the file and the entry."""
+
+
 class PlanFormatError(RaylazyError):
     """A serialised plan that cannot be read back."""
 
@@ -147,6 +155,20 @@ class PlanFormatError(RaylazyError):
 
 class ConfigurationError(RaylazyError):
     """Invalid options passed to raylazy (wraps pydantic's validation report)."""
+
+    @classmethod
+    def from_validation(cls, error, what: str) -> "ConfigurationError":
+        """The error for a pydantic ValidationError of `what`, naming each bad field, its value and the problem."""
+        return cls(f"invalid {what}: {validation_problems(error)}")
+
+
+def validation_problems(error, field: str | None = None) -> str:
+    """A pydantic ValidationError (of `field`, if given) as `field=value: problem; ...`, one entry per bad field."""
+    out = []
+    for err in error.errors():
+        loc = ((field,) if field else ()) + tuple(err["loc"])
+        out.append(f"{'.'.join(str(p) for p in loc)}={err.get('input')!r}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(out)
 
 
 class FileChangedError(RaylazyError):

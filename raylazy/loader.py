@@ -1,8 +1,9 @@
 """`raylazy.load`: plan on the driver, one Ray actor per rank reads its ranges, refs come back.
 
-The placement group and actors are created first so they start (import torch)
-while the driver reads headers and plans. Whatever happens after they exist,
-an error, a timeout or a KeyboardInterrupt, releases all of them.
+A thin composition: options -> Ray (joined or started) -> bundles checked against the
+cluster -> a `RankGroup` created first, so its actors start (import torch) while the
+driver plans -> each rank reads its plan -> a `LoadedModel`. Whatever happens after
+the group exists, an error, a timeout or a KeyboardInterrupt, releases all of it.
 """
 
 from __future__ import annotations
@@ -11,31 +12,33 @@ import logging
 import os
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actor import RankInfo, RankLoader
-from .errors import RankFailedError, RaylazyError
+from .errors import ConfigurationError
+from .group import RankGroup
 from .io.common import ReadStats
 from .options import LoadOptions, load_options, reader_options
-from .placement import cluster_has_gpus, rank_bundles, start_ranks, wait_placed
+from .placement import check_placeable, cluster_has_gpus, cpu_share, ensure_ray, rank_bundles
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
 
 log = logging.getLogger("raylazy")
 
+#: How `LoadedModel.refs` may send shards, and the devices each transport carries.
+TRANSPORT_DEVICES = {"object_store": ("cpu", "cuda"), "cuda_ipc": ("cuda",), "nccl": ("cuda",), "gloo": ("cpu",),
+                     "nixl": ("cpu", "cuda")}
+
 
 @dataclass
 class LoadedModel:
-    """A finished load: the plan, the rank actors holding their shards, statistics, and release()."""
+    """A finished load: the plan, the rank group holding the shards, per-rank statistics, and release()."""
 
     plan: Plan
     options: LoadOptions
-    actors: list
-    placement_group: Any
-    ranks: list[RankInfo]
+    group: RankGroup
     stats: list[ReadStats]
     seconds: float
     _refs: dict = field(default_factory=dict, repr=False)
@@ -44,18 +47,30 @@ class LoadedModel:
     def tp(self) -> int:
         return self.plan.tp
 
+    @property
+    def actors(self) -> list:
+        return self.group.actors
+
+    @property
+    def placement_group(self):
+        return self.group.placement_group
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        return self.group.ranks
+
     def refs(self, transport: str | None = None) -> list:
         """Per rank, an ObjectRef resolving to {name: tensor}.
 
-        transport: None uses the load's `transport` option ("auto": object store for
-        CPU shards, CUDA IPC for GPU shards); "nccl"/"gloo" need a collective group
-        (`ray.experimental.collective.create_collective_group`) with the consumers.
+        transport: None uses the load's `transport` option ("auto": the object store for CPU
+        shards, CUDA IPC for GPU shards, which reaches only receivers on the same GPU); "nccl" and
+        "gloo" need a collective group (`ray.experimental.collective.create_collective_group`)
+        with the consumers. A transport that cannot carry the shards' device is refused.
         """
         transport = transport or self.options.transport
         if transport not in self._refs:
-            self._refs[transport] = [
-                _shards_method(a, transport, info.device).remote() for a, info in zip(self.actors, self.ranks)
-            ]
+            self._refs[transport] = [_shards_method(a, _transport_for(transport, info.device)).remote()
+                                     for a, info in zip(self.actors, self.ranks)]
         return self._refs[transport]
 
     def get(self, rank: int) -> dict:
@@ -81,13 +96,14 @@ class LoadedModel:
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp} "
             f"backend={self.options.backend} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
-            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} ({format_bytes(read - needed)} beyond the needed)"
+            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} "
+            f"({format_bytes(read - needed)} beyond the needed)"
         )
 
     def release(self) -> None:
         """Kill the rank actors and remove the placement group (idempotent)."""
-        _release(self.actors, self.placement_group)
-        self.actors, self.placement_group, self._refs = [], None, {}
+        self.group.release()
+        self._refs = {}
 
     def __enter__(self) -> "LoadedModel":
         return self
@@ -98,7 +114,7 @@ class LoadedModel:
 
 def load(
     model_dir: str | os.PathLike,
-    tp: int = 8,
+    tp: int = 1,
     *,
     rules: RulesLike | None = None,
     device: str = "auto",
@@ -106,38 +122,43 @@ def load(
     actor_cls: type = RankLoader,
     **options: Any,
 ) -> LoadedModel:
-    """Load `model_dir` for tensor parallelism `tp`: each rank's actor reads only its byte ranges.
+    """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`:
+    each rank's actor reads only its byte ranges onto its device.
 
-    Options (validated, see `raylazy.options.LoadOptions`): queue_size, threads,
-    chunk_bytes, use_gpu, cpus_per_rank, placement_strategy, placement_timeout_s,
-    timeout_s, max_retries, transport, progress, preset, uneven, max_gap, nogds.
-    Starts a local Ray if none is initialised (or joins RAY_ADDRESS).
+    rules: sharding rules before the preset (see `raylazy.rules`). device: "auto" (the GPU Ray gives the
+    rank, else the CPU), "cpu" or "cuda". backend: "ranged" or "fastsafetensors". actor_cls: the rank
+    actor's class, `RankLoader` or a subclass. Options (validated before anything starts; see
+    `raylazy.options.LoadOptions`): queue_size, threads, chunk_bytes, nogds (reading); use_gpu,
+    cpus_per_rank, placement_strategy, autoscale, placement_timeout_s, max_retries (placement);
+    timeout_s, transport, progress; preset, uneven, max_gap (planning).
+    Joins the Ray in use (or RAY_ADDRESS, or one running on this machine), else starts a local one.
     """
     import ray
 
     opts = load_options(tp=tp, device=device, backend=backend, **options)
-    if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING)
+    own_ray = ensure_ray()
     t0 = time.perf_counter()
     use_gpu = opts.use_gpu if opts.use_gpu is not None else (opts.device != "cpu" and cluster_has_gpus())
-    pg, actors, name = start_ranks(actor_cls, opts.tp, opts.device, use_gpu, opts.cpus_per_rank,
-                                   opts.placement_strategy, opts.max_retries)
+    cpus = opts.cpus_per_rank
+    if cpus is None:  # ranks are processes, not cores: on our own local Ray they share its CPUs
+        cpus = cpu_share(ray.cluster_resources().get("CPU", 0), opts.tp) if own_ray else 1.0
+    bundles = rank_bundles(opts.tp, use_gpu, cpus)
+    check_placeable(bundles, opts.placement_strategy, opts.autoscale)
+    group = RankGroup.create(bundles, opts.device, opts.placement_strategy, opts.max_retries, actor_cls)
     try:
         plan = make_plan(model_dir, opts.tp, rules=rules, preset=opts.preset, uneven=opts.uneven,
                          max_gap=opts.max_gap)
-        wait_placed(pg, opts.tp, f"{rank_bundles(1, use_gpu, opts.cpus_per_rank)[0]} each, "
-                    f"{opts.placement_strategy}", opts.placement_timeout_s)
-        ranks = _gather(actors, [a.info.remote() for a in actors], opts.timeout_s, "start")
+        ranks = group.wait_ready(opts.placement_timeout_s, opts.timeout_s)
         reader = reader_options(opts)
-        per_node = Counter(info.node_id for info in ranks)
-        loads = [a.load.remote(rp, _rank_reader(reader, per_node[info.node_id]))
-                 for a, rp, info in zip(actors, plan.ranks, ranks)]
-        stats = _wait_with_progress(actors, loads, plan, opts)
+        sharing = {info.node_id: sum(i.node_id == info.node_id for i in ranks) for info in ranks}
+        loads = [a.load.remote(rp, _rank_reader(reader, sharing[info.node_id]))
+                 for a, rp, info in zip(group.actors, plan.ranks, ranks)]
+        stats = _wait_with_progress(group, loads, plan, opts)
     except BaseException:
-        _release(actors, pg)
+        group.release()
         raise
-    loaded = LoadedModel(plan, opts, actors, pg, ranks, stats, time.perf_counter() - t0)
-    _announce(loaded.summary())
+    loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0)
+    log.info("%s", loaded.summary())
     return loaded
 
 
@@ -148,67 +169,29 @@ def _rank_reader(reader, ranks_on_node: int):
     return reader
 
 
-def _shards_method(actor, transport: str, device: str):
+def _transport_for(transport: str, device: str) -> str:
+    """The concrete transport for shards on `device` ("auto" chosen by device); one that cannot carry them is refused."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
     if transport == "auto":
-        transport = "cuda_ipc" if device.startswith("cuda") else "object_store"
+        return "cuda_ipc" if kind == "cuda" else "object_store"
+    if transport not in TRANSPORT_DEVICES:
+        raise ConfigurationError(f"transport {transport!r} is not one of auto, {', '.join(TRANSPORT_DEVICES)}")
+    if kind not in TRANSPORT_DEVICES[transport]:
+        usable = [t for t, kinds in TRANSPORT_DEVICES.items() if kind in kinds]
+        raise ConfigurationError(f"transport {transport!r} cannot carry shards on {device}: use one of {', '.join(usable)}")
+    return transport
+
+
+def _shards_method(actor, transport: str):
     return actor.shards if transport == "object_store" else actor.shards.options(tensor_transport=transport)
 
 
-def _gather(actors, refs: list, timeout_s: float, what: str, grace_s: float = 2.0) -> list:
-    """ray.get every rank's ref; failures (or a timeout) become one RankFailedError keyed by rank.
-
-    After the first failure the others get `grace_s` more seconds to report theirs,
-    so one error lists every rank that failed at about the same time.
-    """
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    results, failures = {}, {}
-    pending = dict(enumerate(refs))
-    while pending:
-        ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        for rank in [r for r, ref in pending.items() if ref in ready]:
-            try:
-                results[rank] = ray.get(pending.pop(rank))
-            except Exception as e:  # noqa: BLE001  (a rank's failure, reported with all others)
-                failures[rank] = _cause(e)
-                deadline = min(deadline, time.monotonic() + grace_s)
-        if pending and time.monotonic() >= deadline:
-            if not failures:
-                failures = {r: TimeoutError(f"{what} did not finish within {timeout_s:.0f} s{_stuck(actors[r])}")
-                            for r in pending}
-            break
-    if failures:
-        raise RankFailedError(failures, what)
-    return [results[r] for r in range(len(refs))]
-
-
-def _stuck(actor) -> str:
-    """Why a rank that timed out may be stuck, when its actor is not alive (e.g. its node was lost)."""
-    try:
-        import ray._private.state as state
-
-        info = state.actors(actor._actor_id.hex())
-        if info.get("State") == "RESTARTING":
-            return ("; its actor is RESTARTING: its process or node was lost and Ray found no room to "
-                    "restart it (add capacity or lower tp)")
-    except Exception:  # noqa: BLE001  (best effort: the timeout is the error)
-        pass
-    return ""
-
-
-def _cause(e: Exception) -> BaseException:
-    """The rank's own exception when Ray wrapped it (RayTaskError), else Ray's error."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
-
-
-def _wait_with_progress(actors, loads: list, plan: Plan, opts: LoadOptions) -> list[ReadStats]:
+def _wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOptions) -> list[ReadStats]:
     import ray
 
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     if not show:
-        return _gather(actors, loads, opts.timeout_s, "load")
+        return group.gather(loads, opts.timeout_s, "load")
     from tqdm import tqdm
 
     total = sum(r.stats.bytes_needed for r in plan.ranks)
@@ -217,39 +200,14 @@ def _wait_with_progress(actors, loads: list, plan: Plan, opts: LoadOptions) -> l
         while time.monotonic() - start < opts.timeout_s:
             ready, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
             try:
-                done = sum(ray.get([a.progress.remote() for a in actors], timeout=5))
-            except Exception:  # noqa: BLE001  (a dead rank: _gather reports it below)
+                done = sum(ray.get([a.progress.remote() for a in group.actors], timeout=5))
+            except Exception:  # noqa: BLE001  (a dead rank: gather reports it below)
                 break
             bar.update(done - bar.n)  # the ranks' own count, also after the last load: the bar is never forced full
             if len(ready) == len(loads):
                 break
-        stats = _gather(actors, loads, max(0.0, opts.timeout_s - (time.monotonic() - start)), "load")
+        stats = group.gather(loads, max(0.0, opts.timeout_s - (time.monotonic() - start)), "load")
     return stats
 
 
-def _release(actors: list, pg) -> None:
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for a in actors:
-        try:
-            ray.kill(a, no_restart=True)
-        except Exception:  # noqa: BLE001  (already dead)
-            pass
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception:  # noqa: BLE001  (already removed)
-            pass
-
-
-def _announce(line: str) -> None:
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    log.info(line)
-
-
-__all__ = ["load", "LoadedModel", "RaylazyError"]
+__all__ = ["load", "LoadedModel"]

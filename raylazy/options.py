@@ -1,18 +1,67 @@
-"""The options of `raylazy.load` and its readers: pure data, validated (pydantic) before any actor starts."""
+"""The options of `raylazy.plan`, `raylazy.load` and its readers: pure data, validated (pydantic) up front."""
 
 from __future__ import annotations
 
 import os
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigurationError
+from .mesh import Mesh
+
+M = TypeVar("M", bound=BaseModel)
 
 QUEUE_SIZE_ENV = "RAYLAZY_FASTSAFETENSORS_QUEUE_SIZE"
 
 #: Largest window of a shard one read job fills (bytes).
 DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def validated(model_cls: type[M], **kwargs: Any) -> M:
+    """`model_cls(**kwargs)`, with pydantic's ValidationError turned into a ConfigurationError naming each bad field."""
+    try:
+        return model_cls(**kwargs)
+    except ValidationError as e:
+        raise ConfigurationError.from_validation(e, f"option(s) ({model_cls.__name__})") from None
+
+
+class PlanOptions(BaseModel):
+    """How `raylazy.plan` plans: the mesh (given as `tp=N` or `mesh=Mesh(...)`), preset, uneven, max_gap."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    mesh: Mesh
+    preset: Optional[str] = "auto"
+    uneven: Literal["error", "chunk", "pad"] = "error"
+    #: Row gaps of at most this many bytes are read as one request.
+    max_gap: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tp_or_mesh(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        tp = data.pop("tp", None)
+        if (tp is None) == (data.get("mesh") is None):
+            raise ValueError(f"give exactly one of tp (got {tp!r}) and mesh (got {data.get('mesh')!r})")
+        if tp is not None:
+            data["mesh"] = Mesh(tp=tp)
+        return data
+
+    @field_validator("mesh")
+    @classmethod
+    def _planned_dims(cls, mesh: Mesh) -> Mesh:
+        unsupported = {d: n for d, n in mesh.shape.items() if d != "tp" and n > 1}
+        if unsupported:
+            raise ValueError(f"{', '.join(f'{d}={n}' for d, n in unsupported.items())} is not supported yet: raylazy "
+                             "plans tensor parallelism only; give a mesh whose other dimensions are 1")
+        return mesh
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
 
 
 class ReaderOptions(BaseModel):
@@ -40,8 +89,13 @@ class LoadOptions(ReaderOptions):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: Reserve one GPU per rank: None = when the cluster has GPUs.
     use_gpu: Optional[bool] = None
-    cpus_per_rank: float = Field(1.0, ge=0)
+    #: CPUs reserved per rank: None = 1, or on a local Ray that raylazy started, an equal share of its CPUs
+    #: (min(1, CPUs / tp)), so any tp loads on any machine.
+    cpus_per_rank: Optional[float] = Field(None, ge=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    #: Whether an autoscaler may add nodes for a request the cluster cannot place now: None = detect it.
+    #: Without one, an unplaceable request fails at once instead of waiting placement_timeout_s.
+    autoscale: Optional[bool] = None
     placement_timeout_s: float = Field(300.0, gt=0)
     #: Whole load (after placement) must finish within this many seconds.
     timeout_s: float = Field(1800.0, gt=0)
@@ -66,13 +120,7 @@ def load_options(**kwargs) -> LoadOptions:
                 kwargs["queue_size"] = int(env)
             except ValueError:
                 raise ConfigurationError(f"{QUEUE_SIZE_ENV}={env!r} is not an integer (-1, 0 or a positive depth)") from None
-    try:
-        return LoadOptions(**kwargs)
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'options'}={err.get('input')!r}: {err['msg']}" for err in e.errors()
-        )
-        raise ConfigurationError(f"invalid raylazy.load option(s): {problems}") from None
+    return validated(LoadOptions, **kwargs)
 
 
 def reader_options(opts: LoadOptions) -> ReaderOptions:

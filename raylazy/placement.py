@@ -1,10 +1,47 @@
-"""Reserve one bundle per rank in a placement group and start a rank actor in each."""
+"""Where ranks may go: joining or starting Ray, each rank's bundle, and whether a cluster can ever hold them.
+
+Before anything is created, the request is checked against the nodes the cluster
+has: one that can never be placed (a bundle larger than every node, more bundles
+than the nodes hold, STRICT_SPREAD over too few nodes) fails at once with a
+`PlacementError`, unless an autoscaler could add nodes; only then does the load
+wait up to `placement_timeout_s`.
+"""
 
 from __future__ import annotations
 
-import uuid
+import json
+import logging
+import math
+import os
+from typing import Mapping, Sequence
 
 from .errors import PlacementError
+
+
+#: GCS address of the local Ray that `ensure_ray` started in this process, if any.
+_started_gcs: str | None = None
+
+
+def ensure_ray() -> bool:
+    """Join Ray (initialised already, RAY_ADDRESS, or a cluster running on this machine), else start a local
+    one (also when RAY_ADDRESS=local, Ray's convention). Returns True when the Ray in use is a local one that
+    raylazy started: its CPUs are then ours to share among the ranks."""
+    global _started_gcs
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or "auto"
+        if address != "local":
+            try:
+                ray.init(address=address, logging_level=logging.WARNING)
+            except ConnectionError:
+                if address != "auto":
+                    raise
+                address = "local"  # nothing running on this machine
+        if address == "local":
+            ray.init(address="local", logging_level=logging.WARNING)
+            _started_gcs = ray.get_runtime_context().gcs_address
+    return _started_gcs is not None and _started_gcs == ray.get_runtime_context().gcs_address
 
 
 def rank_bundles(tp: int, use_gpu: bool, cpus_per_rank: float) -> list[dict]:
@@ -21,64 +58,76 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def start_ranks(actor_cls, tp: int, device: str, use_gpu: bool, cpus_per_rank: float, strategy: str,
-                max_retries: int):
-    """Create the placement group and one actor per bundle; returns (placement group, actors, name).
+#: Ray accounts resources in units of 1/10000 (fractional CPUs and GPUs).
+_RESOURCE_UNIT = 10_000
 
-    The actors start (and import torch) as soon as the group is placed, while the
-    caller goes on planning.
+
+def cpu_share(total_cpus: float, tp: int) -> float:
+    """CPUs per rank so that `tp` ranks fit in `total_cpus` (at most 1), rounded down to Ray's unit."""
+    return min(1.0, math.floor(total_cpus * _RESOURCE_UNIT / tp) / _RESOURCE_UNIT)
+
+
+def node_capacity(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:
+    """How many copies of `bundle` a node with these total resources holds."""
+    need = {k: round(v * _RESOURCE_UNIT) for k, v in bundle.items() if v > 0}
+    if not need:
+        return 1 << 30
+    return min(round(node.get(k, 0) * _RESOURCE_UNIT) // v for k, v in need.items())
+
+
+def can_ever_place(bundles: Sequence[Mapping[str, float]], nodes: Sequence[Mapping[str, float]], strategy: str) -> bool:
+    """Whether equal `bundles` fit on nodes with these total resources under `strategy`, once all is free."""
+    caps = [node_capacity(n, bundles[0]) for n in nodes] if bundles else []
+    if strategy == "STRICT_PACK":
+        return max(caps, default=0) >= len(bundles)
+    if strategy == "STRICT_SPREAD":
+        return sum(c >= 1 for c in caps) >= len(bundles)
+    return sum(caps) >= len(bundles)
+
+
+def autoscaler_can_add_nodes() -> bool:
+    """Whether the cluster runs an autoscaler that may add nodes (not Ray's read-only one).
+
+    Reads the status record the autoscaler keeps in the GCS (what `ray status` prints):
+    without an autoscaling config Ray runs a read-only autoscaler whose node types are
+    just the running nodes, named `node_<node id>`. Autoscaler v2 keeps no such record;
+    it is taken as able to add nodes.
+    """
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    if is_autoscaler_v2():
+        return True
+    raw = _internal_kv_get("__autoscaling_status")
+    if not raw:
+        return False
+    mapping = json.loads(raw).get("autoscaler_report", {}).get("node_type_mapping") or {}
+    return any(kind != f"node_{node}" for node, kind in mapping.items())
+
+
+def check_placeable(bundles: list[dict], strategy: str, autoscale: bool | None) -> None:
+    """Raise PlacementError at once when the cluster can never place `bundles` and no autoscaler may help.
+
+    autoscale: True always lets the caller wait (an autoscaler will add nodes), False never
+    does, None asks `autoscaler_can_add_nodes()`.
     """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    name = f"raylazy-{uuid.uuid4().hex[:8]}"
-    bundles = rank_bundles(tp, use_gpu, cpus_per_rank)
-    try:
-        pg = placement_group(bundles, strategy=strategy, name=name)
-    except BaseException:  # a KeyboardInterrupt can land once the group exists but before it is returned
-        try:
-            remove_placement_group(ray.util.get_placement_group(name))
-        except Exception:  # noqa: BLE001  (it was not created)
-            pass
-        raise
-    # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
-    remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
-    create = (
-        remote_cls.options(
-            name=f"{name}-rank{r}",
-            num_cpus=bundles[r].get("CPU", 0),
-            num_gpus=bundles[r].get("GPU", 0),
-            max_concurrency=4,  # progress() and shards() answer while load() runs
-            max_restarts=max_retries,
-            max_task_retries=max_retries,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=r
-            ),
-        ).remote(r, device)
-        for r in range(tp)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if can_ever_place(bundles, nodes, strategy):
+        return
+    if autoscale if autoscale is not None else autoscaler_can_add_nodes():
+        return
+    per_node = "; ".join(describe_resources(n) for n in nodes) or "no nodes"
+    raise PlacementError(
+        f"{len(bundles)} rank(s) of {describe_resources(bundles[0])} each ({strategy}) can never be placed: the cluster's "
+        f"{len(nodes)} node(s) have {per_node}, and no autoscaler can add nodes. Lower tp, pass use_gpu=False or a "
+        "smaller cpus_per_rank, change placement_strategy, or add nodes (autoscale=True waits up to "
+        "placement_timeout_s for nodes to join)"
     )
-    try:
-        actors = list(create)
-    except BaseException:  # e.g. a KeyboardInterrupt: removing the group also kills the actors already created
-        remove_placement_group(pg)
-        raise
-    return pg, actors, name
 
 
-def wait_placed(pg, tp: int, bundles_desc: str, timeout_s: float) -> None:
-    """Wait until the group is placed, or raise PlacementError saying what was asked and what exists."""
-    import ray
-
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        raise PlacementError(
-            f"could not place {tp} rank(s) ({bundles_desc}) within {timeout_s:.0f} s; the cluster has "
-            f"{_resources(ray.cluster_resources())} in all and {_resources(ray.available_resources())} free. "
-            "Add nodes, lower tp, or pass use_gpu=False / a smaller cpus_per_rank"
-        )
-
-
-def _resources(res: dict) -> str:
+def describe_resources(res: Mapping[str, float]) -> str:
+    """"2 CPU, 1 GPU": the CPUs and GPUs of a resource map (else its first keys)."""
     keys = [k for k in ("CPU", "GPU") if k in res] or sorted(res)[:3]
     return ", ".join(f"{res.get(k, 0):g} {k}" for k in keys) or "nothing"

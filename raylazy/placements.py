@@ -1,17 +1,22 @@
-"""How one tensor is divided among tensor-parallel ranks: a small declarative vocabulary.
+"""How one tensor is divided among tensor-parallel ranks: an open, declarative vocabulary.
 
 A placement answers one question: which slice of the full tensor does rank r of
 tp get? The answer is a `Slicing`: the dim being cut, the shard's length along
 it, and the pieces (source start, destination start, length) to copy. Rows of
-the shard that no piece fills (padding) are zero.
+the shard that no piece fills (padding) are zero. Every placement subclasses
+`Placement`; registered ones also read from and write to rule-file dicts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Union
+import functools
+from abc import ABC, abstractmethod
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal, Mapping, get_type_hints
 
-from .errors import IndivisibleDimError, RuleError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from .errors import IndivisibleDimError, RuleError, validation_problems
 
 Uneven = Literal["error", "chunk", "pad"]
 
@@ -36,33 +41,146 @@ class Slicing:
 
 @dataclass(frozen=True)
 class ShardContext:
-    """What a placement may consult: the rank, the world size, the model's head counts."""
+    """What a placement may consult about one tensor on one rank.
+
+    `rank` and `tp` are the rank's tensor-parallel coordinate and the tp size (what
+    most placements need); `coords` holds the rank's coordinate along every mesh
+    dimension (`raylazy.mesh.DIMS`); `name` is the tensor's name.
+    """
 
     rank: int
     tp: int
     num_heads: int | None = None
     num_kv_heads: int | None = None
     uneven: Uneven = "error"
+    name: str = ""
+    coords: Mapping[str, int] = field(default_factory=dict)
+
+
+#: Placement classes by the type name rule files use (`{"type": "split", "dim": -1}`).
+PLACEMENT_TYPES: dict[str, type["Placement"]] = {}
+
+
+class Placement(ABC):
+    """How one tensor is divided among ranks. The set is open: subclass this (as a frozen dataclass).
+
+    The planner calls `slicing` for every rank, unless `loaded` is False (the
+    tensor is left out of the plan). A subclass defined with
+    `class Mine(Placement, type_name="mine")` is registered for rule files, which
+    build it from its dataclass fields (`{"type": "mine", ...}`).
+    """
+
+    #: False: the tensor is not loaded at all (it lands in `Plan.skipped`).
+    loaded: ClassVar[bool] = True
+    #: The name rule files use for this class; None for a class not registered.
+    type_name: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, type_name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if type_name is not None:
+            if type_name in PLACEMENT_TYPES:
+                raise RuleError(f"placement type name {type_name!r} is already taken by {PLACEMENT_TYPES[type_name]!r}")
+            cls.type_name = type_name
+            PLACEMENT_TYPES[type_name] = cls
+
+    @abstractmethod
+    def describe(self) -> str:
+        """A short label for plans and messages, e.g. `split(dim=-1)`."""
+
+    @abstractmethod
+    def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing | None:
+        """The part of a tensor of `shape` that rank `ctx` gets; None: the whole tensor."""
+
+    def fused_units(self, ctx: ShardContext) -> int | None:
+        """As a part of `Fused`: its size along the fused dim in units (e.g. heads); None: an equal share."""
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rule-file form: `{"type": type_name, field: value...}`, fields at their default left out."""
+        if self.type_name is None:
+            raise RuleError(f"{self!r} has no type name; define it as class X(Placement, type_name='x')")
+        out: dict[str, Any] = {"type": self.type_name}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.default is MISSING or value != f.default:
+                out[f.name] = _plain(value)
+        return out
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> "Placement":
+        """Build from rule-file fields (nested placements already built), each checked (strictly) against its type."""
+        checks = _field_checks(cls)
+        problems = [f"unknown field {k!r} (fields: {', '.join(checks) or 'none'})" for k in values if k not in checks]
+        problems += [f"missing field {f.name!r}" for f in fields(cls)
+                     if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
+        for k, v in values.items():
+            try:
+                checks[k].validate_python(v) if k in checks else None
+            except ValidationError as e:
+                problems.append(validation_problems(e, k))
+        if problems:
+            raise RuleError(f"{cls.type_name or cls.__name__}: {'; '.join(problems)}")
+        return cls(**values)
+
+
+def placement_from_dict(data: Any) -> Placement:
+    """The placement a rule file's `{"type": ..., field: value...}` describes (parts of Fused included)."""
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise RuleError(f'a placement is an object with a "type" ({", ".join(sorted(PLACEMENT_TYPES))}), got {data!r}')
+    cls = PLACEMENT_TYPES.get(data["type"])
+    if cls is None:
+        raise RuleError(f"unknown placement type {data['type']!r} (known: {', '.join(sorted(PLACEMENT_TYPES))})")
+    return cls.from_fields({k: _built(v) for k, v in data.items() if k != "type"})
+
+
+def _plain(value: Any) -> Any:
+    """A field's value in rule-file form: placements as dicts, tuples as lists."""
+    if isinstance(value, Placement):
+        return value.to_dict()
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _built(value: Any) -> Any:
+    """The inverse of `_plain`: dicts as placements, lists as tuples."""
+    if isinstance(value, dict):
+        return placement_from_dict(value)
+    return tuple(_built(v) for v in value) if isinstance(value, list) else value
+
+
+@functools.cache
+def _field_checks(cls: type) -> dict[str, TypeAdapter]:
+    """A strict validator of each dataclass field of `cls`, from its type hints."""
+    hints = get_type_hints(cls)
+    config = ConfigDict(strict=True, arbitrary_types_allowed=True)
+    return {f.name: TypeAdapter(hints[f.name], config=config) for f in fields(cls)}
 
 
 @dataclass(frozen=True)
-class Replicated:
+class Replicated(Placement, type_name="replicated"):
     """Every rank gets the whole tensor (norms, routers, row-parallel biases)."""
 
     def describe(self) -> str:
         return "replicated"
 
+    def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> None:
+        return None
+
 
 @dataclass(frozen=True)
-class Skip:
+class Skip(Placement, type_name="skip"):
     """The tensor is deliberately not loaded (e.g. a stale `rotary_emb.inv_freq`)."""
+
+    loaded: ClassVar[bool] = False
 
     def describe(self) -> str:
         return "skip"
 
+    def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> None:
+        return None
+
 
 @dataclass(frozen=True)
-class Split:
+class Split(Placement, type_name="split"):
     """Even split along `dim`: 0 is column-parallel for `[out, in]` weights, -1 row-parallel.
 
     `uneven` overrides the plan-wide choice for a dim tp does not divide: "error",
@@ -85,8 +203,8 @@ class Split:
 
 
 @dataclass(frozen=True)
-class Heads:
-    """Attention projection split by whole heads along dim 0 (weights and biases).
+class Heads(Placement, type_name="heads"):
+    """Attention projection split by whole heads along `dim` (0: weights `[out, in]` and biases).
 
     `kind="q"` splits the query heads evenly. `kind="kv"` splits key/value heads;
     when tp exceeds their count, each head is replicated over tp / num_kv_heads
@@ -96,48 +214,57 @@ class Heads:
 
     kind: Literal["q", "kv"]
     heads: int | None = None
+    dim: int = 0
 
     def describe(self) -> str:
-        return f"heads({self.kind})"
+        return f"heads({self.kind})" if self.dim == 0 else f"heads({self.kind}, dim={self.dim})"
 
-    def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing:
-        start, length = self._rows(shape[0], ctx)
-        return Slicing(0, length, (Piece(start, 0, length),))
-
-    def _rows(self, size: int, ctx: ShardContext) -> tuple[int, int]:
+    def count(self, ctx: ShardContext) -> int:
+        """The number of heads: `heads`, else config.json's."""
         heads = self.heads or (ctx.num_heads if self.kind == "q" else ctx.num_kv_heads)
         if not heads:
             raise RuleError(
                 f"heads({self.kind}) needs the number of {'attention' if self.kind == 'q' else 'key/value'} heads: "
                 "config.json lacks it; pass Heads(kind, heads=N) in your rules"
             )
+        return heads
+
+    def fused_units(self, ctx: ShardContext) -> int:
+        return self.count(ctx)
+
+    def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing:
+        dim, heads, tp = _norm_dim(self.dim, shape), self.count(ctx), ctx.tp
+        size = shape[dim]
         if size % heads:
             raise RuleError(f"heads({self.kind}): {size} rows are not divisible into {heads} heads")
-        head_dim, tp = size // heads, ctx.tp
+        head_dim = size // heads
         if self.kind == "kv" and tp > heads:
             if tp % heads:
                 raise IndivisibleDimError(
                     f"heads(kv): tp={tp} is neither a divisor nor a multiple of the {heads} key/value heads"
                 )
-            return (ctx.rank // (tp // heads)) * head_dim, head_dim
-        if heads % tp:
+            start, length = (ctx.rank // (tp // heads)) * head_dim, head_dim
+        elif heads % tp:
             raise IndivisibleDimError(f"heads({self.kind}): tp={tp} does not divide the {heads} heads")
-        per = heads // tp
-        return ctx.rank * per * head_dim, per * head_dim
+        else:
+            length = heads // tp * head_dim
+            start = ctx.rank * length
+        return Slicing(dim, length, (Piece(start, 0, length),))
 
 
 @dataclass(frozen=True)
-class Fused:
+class Fused(Placement, type_name="fused"):
     """Several logical tensors concatenated along `dim` on disk; each rank takes its slice of each part.
 
-    `parts` lists each part's placement in on-disk order: `Heads("q")`, `Heads("kv")`
-    or `Split(dim)` (same dim). Head parts take their size from the head count;
-    Split parts share the rest equally. A fused qkv is
+    `parts` lists each part's placement in on-disk order, each splitting `dim`:
+    `Heads("q")`, `Heads("kv")` or `Split(dim)`, or any placement that slices
+    `dim`. Parts with units (heads) take their size from them; parts without
+    share the dim equally. A fused qkv is
     `Fused((Heads("q"), Heads("kv"), Heads("kv")))`, a packed gate_up
     `Fused((Split(0), Split(0)))`.
     """
 
-    parts: tuple[Union[Heads, Split], ...]
+    parts: tuple[Placement, ...]
     dim: int = 0
 
     def describe(self) -> str:
@@ -145,41 +272,27 @@ class Fused:
 
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing:
         dim = _norm_dim(self.dim, shape)
-        sizes = self._part_sizes(shape[dim], ctx)
         pieces, src, dst = [], 0, 0
-        for part, size in zip(self.parts, sizes):
-            if isinstance(part, Split) and _norm_dim(part.dim, shape) != dim:
+        for part, size in zip(self.parts, self._part_sizes(shape[dim], ctx)):
+            sub = part.slicing(shape[:dim] + (size,) + shape[dim + 1 :], ctx)
+            if sub is None or sub.dim != dim:
                 raise RuleError(f"fused: part {part.describe()} does not split the fused dim {self.dim}; "
-                                f"give every Split part dim={self.dim}")
-            sub = part.slicing(shape[:dim] + (size,) + shape[dim + 1 :], ctx) if isinstance(part, Split) else None
-            if sub is None:
-                start, length = part._rows(size, ctx)
-                sub = Slicing(dim, length, (Piece(start, 0, length),))
+                                f"give every part dim={self.dim}")
             pieces += [Piece(src + p.src, dst + p.dst, p.length) for p in sub.pieces]
             src, dst = src + size, dst + sub.length
         return Slicing(dim, dst, tuple(pieces))
 
     def _part_sizes(self, total: int, ctx: ShardContext) -> list[int]:
-        head_dim = None
-        heads_of = {"q": ctx.num_heads, "kv": ctx.num_kv_heads}
-        head_parts = [p for p in self.parts if isinstance(p, Heads)]
-        split_parts = [p for p in self.parts if isinstance(p, Split)]
-        if head_parts:
-            all_heads = sum(p.heads or heads_of[p.kind] or 0 for p in head_parts)
-            if not all(p.heads or heads_of[p.kind] for p in head_parts):
-                raise RuleError("fused: head parts need head counts from config.json or Heads(kind, heads=N)")
-            if split_parts:
-                raise RuleError("fused: mix of head parts and split parts is ambiguous; give each part's heads")
-            if total % all_heads:
-                raise RuleError(f"fused: {total} rows are not divisible into {all_heads} heads")
-            head_dim = total // all_heads
-            return [(p.heads or heads_of[p.kind]) * head_dim for p in head_parts]
-        if total % len(self.parts):
-            raise RuleError(f"fused: {total} entries do not split into {len(self.parts)} equal parts")
-        return [total // len(self.parts)] * len(self.parts)
-
-
-Placement = Union[Replicated, Skip, Split, Heads, Fused]
+        units = [p.fused_units(ctx) for p in self.parts]
+        if all(u is None for u in units):
+            if total % len(self.parts):
+                raise RuleError(f"fused: {total} entries do not split into {len(self.parts)} equal parts")
+            return [total // len(self.parts)] * len(self.parts)
+        if None in units:
+            raise RuleError("fused: mix of head parts and split parts is ambiguous; give each part's heads")
+        if total % sum(units):
+            raise RuleError(f"fused: {total} rows are not divisible into {sum(units)} heads")
+        return [u * (total // sum(units)) for u in units]
 
 
 def _norm_dim(dim: int, shape: tuple[int, ...]) -> int:

@@ -9,7 +9,9 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .dtypes import DTYPE_BITS
 from .errors import PartialByteError, ShardingError
 from .header import TensorInfo
-from .placements import ShardContext, Skip, Slicing, Uneven
+from .mesh import Mesh
+from .options import PlanOptions, validated
+from .placements import ShardContext, Slicing, Uneven
 from .plans import FileRef, Plan, RankPlan, Read, TensorShard
 from .rules import RulesLike, match, resolve_rules
 
@@ -19,52 +21,58 @@ DEFAULT_MAX_GAP = 0
 
 def make_plan(
     model: str | os.PathLike | Checkpoint,
-    tp: int,
+    tp: int | None = None,
     *,
+    mesh: Mesh | None = None,
     rules: RulesLike | None = None,
     preset: str | None = "auto",
     uneven: Uneven = "error",
     max_gap: int = DEFAULT_MAX_GAP,
 ) -> Plan:
-    """Plan which bytes of which file every one of `tp` ranks reads. Reads headers only."""
-    if type(tp) is not int or tp < 1:
-        raise ShardingError(f"tp must be a positive integer, got {tp!r}")
-    if type(max_gap) is not int or max_gap < 0:
-        raise ShardingError(f"max_gap must be a non-negative integer, got {max_gap!r}")
+    """Plan which bytes of which file every rank of `mesh` (or of `tp` ranks) reads. Reads headers only.
+
+    Give exactly one of `tp` and `mesh`; invalid options are a ConfigurationError.
+    """
+    opts = validated(PlanOptions, tp=tp, mesh=mesh, preset=preset, uneven=uneven, max_gap=max_gap)
+    mesh = opts.mesh
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     cfg = ckpt.config
-    chosen = match(resolve_rules(cfg.model_type, rules, preset), (t.name for _, t in ckpt.tensors()))
-    contexts = [ShardContext(r, tp, cfg.num_attention_heads, cfg.num_key_value_heads, uneven) for r in range(tp)]
-    per_rank: list[list[TensorShard]] = [[] for _ in range(tp)]
+    chosen = match(resolve_rules(cfg.model_type, rules, opts.preset), (t.name for _, t in ckpt.tensors()))
+    coords = [mesh.coords(r) for r in range(mesh.size)]
+    per_rank: list[list[TensorShard]] = [[] for _ in coords]
     skipped = []
     for fi, t in ckpt.tensors():
-        placement = chosen[t.name].placement
-        if isinstance(placement, Skip):
+        rule = chosen[t.name]
+        placement = rule.placement
+        if not placement.loaded:
             skipped.append(t.name)
             continue
-        if not hasattr(placement, "slicing"):  # replicated: one shard object shared by every rank
-            shard = _shard(fi, t, placement.describe(), None, max_gap)
-            for shards in per_rank:
-                shards.append(shard)
-            continue
-        for ctx, shards in zip(contexts, per_rank):
+        whole = None  # one shard object shared by every rank that gets the whole tensor
+        for c, shards in zip(coords, per_rank):
+            ctx = ShardContext(c["tp"], mesh.tp, cfg.num_attention_heads, cfg.num_key_value_heads, opts.uneven,
+                               t.name, c)
             try:
                 slicing = placement.slicing(t.shape, ctx)
             except ShardingError as e:
                 raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
-                              f"({placement.describe()}, rule {chosen[t.name].pattern!r}): {e}") from None
-            shards.append(_shard(fi, t, placement.describe(), slicing, max_gap, ckpt.files[fi].path))
+                              f"({placement.describe()}, rule {rule.pattern!r}): {e}") from None
+            if slicing is None:
+                if whole is None:
+                    whole = _shard(fi, t, placement.describe(), None, opts.max_gap)
+                shards.append(whole)
+            else:
+                shards.append(_shard(fi, t, placement.describe(), slicing, opts.max_gap, ckpt.files[fi].path))
     files = tuple(FileRef(path=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
     return Plan(
         root=ckpt.root,
         model_type=cfg.model_type,
-        tp=tp,
-        max_gap=max_gap,
-        uneven=uneven,
+        mesh=mesh,
+        max_gap=opts.max_gap,
+        uneven=opts.uneven,
         checkpoint_bytes=ckpt.nbytes,
         files=files,
         skipped=tuple(skipped),
-        ranks=tuple(RankPlan(rank=r, tp=tp, files=files, tensors=tuple(s)) for r, s in enumerate(per_rank)),
+        ranks=tuple(RankPlan(rank=r, mesh=mesh, files=files, tensors=tuple(s)) for r, s in enumerate(per_rank)),
     )
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .dtypes import DTYPE_BITS
 from .errors import PlanFormatError
+from .mesh import Mesh
 
 
 class _Frozen(BaseModel):
@@ -111,12 +112,21 @@ class RankStats(_Frozen):
 
 
 class RankPlan(_Frozen):
-    """Everything one rank's actor needs: the files and its tensors' reads."""
+    """Everything one rank's actor needs: the files and its tensors' reads, and where it sits in the mesh."""
 
     rank: int
-    tp: int
+    mesh: Mesh
     files: tuple[FileRef, ...]
     tensors: tuple[TensorShard, ...]
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """The rank's coordinate along every mesh dimension."""
+        return self.mesh.coords(self.rank)
 
     @property
     def stats(self) -> RankStats:
@@ -135,13 +145,17 @@ class Plan(_Frozen):
 
     root: str
     model_type: Optional[str]
-    tp: int
+    mesh: Mesh
     max_gap: int
     uneven: str
     checkpoint_bytes: int
     files: tuple[FileRef, ...]
     skipped: tuple[str, ...]
     ranks: tuple[RankPlan, ...]
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
 
     @property
     def bytes_needed(self) -> int:

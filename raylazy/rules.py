@@ -8,12 +8,14 @@ the preset chosen from config.json's `model_type`, so they override it.
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence, Union
 
-from .errors import RuleError, UnknownArchitectureError, UnmatchedTensorError
-from .placements import Fused, Heads, Placement, Replicated, Skip, Split
+from .errors import RuleError, RuleFileError, UnknownArchitectureError, UnmatchedTensorError
+from .placements import Fused, Heads, Placement, Replicated, Skip, Split, placement_from_dict
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,44 @@ def as_rules(rules: RulesLike | None) -> tuple[Rule, ...]:
     out = []
     for item in items:
         rule = item if isinstance(item, Rule) else Rule(*item)
-        if not isinstance(rule.placement, (Replicated, Skip, Split, Heads, Fused)):
-            raise RuleError(f"rule {rule.pattern!r}: {rule.placement!r} is not a placement")
+        if not isinstance(rule.placement, Placement):
+            raise RuleError(f"rule {rule.pattern!r}: {rule.placement!r} is not a placement (a raylazy.placements.Placement)")
         out.append(rule)
     return tuple(out)
+
+
+def read_rules(path: str | os.PathLike) -> tuple[Rule, ...]:
+    """Rules from a JSON file: a list of `{"pattern": ..., "placement": {"type": ...}, "regex": false}`.
+
+    Placements are written as `Placement.to_dict` writes them, e.g. `{"type": "split", "dim": -1}`.
+    Any problem is a RuleFileError naming the file and, for a bad entry, its index and pattern.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RuleFileError(f"rules file {os.fspath(path)}: cannot read it as JSON: {e}") from None
+    if not isinstance(entries, list):
+        raise RuleFileError(f"rules file {os.fspath(path)}: expected a JSON list of rules "
+                            f'({{"pattern": ..., "placement": {{"type": ...}}}}), got a {type(entries).__name__}')
+    return tuple(_rule_entry(path, i, entry) for i, entry in enumerate(entries))
+
+
+def _rule_entry(path, i: int, entry) -> Rule:
+    where = f"rules file {os.fspath(path)}, entry {i}"
+    try:
+        if not isinstance(entry, dict):
+            raise RuleError(f'expected an object {{"pattern": ..., "placement": ...}}, got {entry!r}')
+        where += f" ({entry.get('pattern')!r})"
+        unknown = set(entry) - {"pattern", "placement", "regex"}
+        if unknown or not {"pattern", "placement"} <= set(entry):
+            raise RuleError(f'an entry has "pattern", "placement" and optionally "regex", got keys {sorted(entry)}')
+        pattern, regex = entry["pattern"], entry.get("regex", False)
+        if not isinstance(pattern, str) or type(regex) is not bool:
+            raise RuleError(f'"pattern" must be a string and "regex" true or false, got {pattern!r} and {regex!r}')
+        return Rule(pattern, placement_from_dict(entry["placement"]), regex)
+    except RuleError as e:
+        raise RuleFileError(f"{where}: {e}") from None
 
 
 def resolve_rules(model_type: str | None, rules: RulesLike | None = None, preset: str | None = "auto") -> tuple[Rule, ...]:

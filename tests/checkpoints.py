@@ -13,6 +13,7 @@ offset bugs in bit-for-bit comparisons.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -126,6 +127,25 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     if t.dim() == 0:
         t = t.reshape(1)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def make_hf_cache(src: str, cache: str, repo: str = "models--org--tiny", rev: str = "0123abcd", ref: str = "main") -> str:
+    """Copy `src` as the hub cache stores it: snapshots/<rev>/<name> -> ../../blobs/<sha256>, refs/<ref> -> rev."""
+    blobs = os.path.join(cache, repo, "blobs")
+    snap = os.path.join(cache, repo, "snapshots", rev)
+    os.makedirs(blobs, exist_ok=True)
+    os.makedirs(snap)
+    for name in sorted(os.listdir(src)):
+        with open(os.path.join(src, name), "rb") as f:
+            data = f.read()
+        digest = hashlib.sha256(data).hexdigest()
+        with open(os.path.join(blobs, digest), "wb") as f:
+            f.write(data)
+        os.symlink(os.path.join("..", "..", "blobs", digest), os.path.join(snap, name))
+    os.makedirs(os.path.join(cache, repo, "refs"), exist_ok=True)
+    with open(os.path.join(cache, repo, "refs", ref), "w") as f:
+        f.write(rev)
+    return snap
 
 
 if __name__ == "__main__":  # print what transformers writes, for the record

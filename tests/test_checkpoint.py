@@ -13,7 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checkpoints import MODEL_FIXTURES, MODEL_SPECS, build_checkpoint, reference_tensors, shard_files, tensor_bytes
+from checkpoints import (
+    MODEL_FIXTURES,
+    MODEL_SPECS,
+    build_checkpoint,
+    make_hf_cache,
+    reference_tensors,
+    shard_files,
+    tensor_bytes,
+)
 from raylazy.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ModelConfig, open_checkpoint
 from raylazy.errors import (
     CheckpointError,
@@ -461,25 +469,6 @@ def test_all_refusals_are_checkpoint_errors():
 
 
 # --- Hugging Face cache layout ---------------------------------------------------------
-
-
-def make_hf_cache(src: str, cache: str, repo: str = "models--org--tiny", rev: str = "0123abcd") -> str:
-    """Copy `src` as the hub cache stores it: snapshots/<rev>/<name> -> ../../blobs/<sha256>."""
-    blobs = os.path.join(cache, repo, "blobs")
-    snap = os.path.join(cache, repo, "snapshots", rev)
-    os.makedirs(blobs)
-    os.makedirs(snap)
-    for name in sorted(os.listdir(src)):
-        with open(os.path.join(src, name), "rb") as f:
-            data = f.read()
-        digest = hashlib.sha256(data).hexdigest()
-        with open(os.path.join(blobs, digest), "wb") as f:
-            f.write(data)
-        os.symlink(os.path.join("..", "..", "blobs", digest), os.path.join(snap, name))
-    os.makedirs(os.path.join(cache, repo, "refs"))
-    with open(os.path.join(cache, repo, "refs", "main"), "w") as f:
-        f.write(rev)
-    return snap
 
 
 def test_hf_cache_layout(tmp_path, llama_dir):

@@ -375,7 +375,7 @@ def no_actors(monkeypatch):
     def started(*a, **k):
         raise AssertionError("an actor was started for invalid options")
 
-    monkeypatch.setattr(raylazy.loader, "start_ranks", started)
+    monkeypatch.setattr(raylazy.loader.RankGroup, "create", started)
     if not ray.is_initialized():
         monkeypatch.setattr(ray, "init", started)
 

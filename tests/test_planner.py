@@ -478,7 +478,7 @@ def test_rule_errors_name_the_tensor(llama_dir):
     with pytest.raises(IndivisibleDimError, match=r"_proj\.weight.*heads\((q|kv)\): tp=3"):
         make_plan(llama_dir, 3, uneven="chunk")  # heads never chunk: 3 divides neither 8 q nor 2 kv heads
     with pytest.raises(ShardingError):
-        make_plan(llama_dir, 0)
+        make_plan(llama_dir, 2, rules=[("model.norm.weight", Heads("q", heads=3))])
 
 
 def test_fused_along_last_dim_and_mismatched_part_dims(odd_dir):

@@ -649,7 +649,8 @@ def test_keyboard_interrupt_while_waiting_for_placement_releases_everything(llam
     t = _interrupt_when(ready, stop, fired)
     try:
         with pytest.raises(KeyboardInterrupt):
-            raylazy.load(llama_dir, 2, device="cpu", progress=False, cpus_per_rank=100, placement_timeout_s=300)
+            raylazy.load(llama_dir, 2, device="cpu", progress=False, cpus_per_rank=100, autoscale=True,
+                         placement_timeout_s=300)
     finally:
         stop.set()
         t.join()

@@ -1,0 +1,158 @@
+"""A rank group: one placement group and one actor per rank, their lifecycle, and calls gathered by rank.
+
+The group is created before planning, so its actors start (import torch) while the
+driver reads headers. Every failure of a call over the group becomes one
+`RankFailedError` keyed by rank. `release()` kills the actors and removes the
+placement group, on every path.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .actor import RankInfo, RankLoader
+from .errors import ConfigurationError, PlacementError, RankFailedError
+from .placement import describe_resources
+
+
+@dataclass
+class RankGroup:
+    """The actors of one load, rank r in bundle r of `placement_group`; `ranks` once they are ready."""
+
+    name: str
+    actors: list
+    placement_group: Any
+    ranks: list[RankInfo] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, bundles: list[dict], device: str = "auto", strategy: str = "PACK", max_retries: int = 2,
+               actor_cls: type = RankLoader) -> "RankGroup":
+        """Create the placement group (one bundle per rank) and one `actor_cls` actor in each bundle.
+
+        `actor_cls` is RankLoader or a subclass of it (to add methods of your own, or to observe
+        the load: examples/autoscaling_experiment.py times each phase this way).
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not (isinstance(actor_cls, type) and issubclass(actor_cls, RankLoader)):
+            raise ConfigurationError(f"actor_cls must be raylazy.actor.RankLoader or a subclass of it, got {actor_cls!r}")
+        name = f"raylazy-{uuid.uuid4().hex[:8]}"
+        try:
+            pg = placement_group(bundles, strategy=strategy, name=name)
+        except BaseException:  # a KeyboardInterrupt can land once the group exists but before it is returned
+            try:
+                remove_placement_group(ray.util.get_placement_group(name))
+            except Exception:  # noqa: BLE001  (it was not created)
+                pass
+            raise
+        # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
+        remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
+        create = (
+            remote_cls.options(
+                name=f"{name}-rank{r}",
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                max_concurrency=4,  # progress() and shards() answer while load() runs
+                max_restarts=max_retries,
+                max_task_retries=max_retries,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=r),
+            ).remote(r, device)
+            for r, bundle in enumerate(bundles)
+        )
+        try:
+            actors = list(create)
+        except BaseException:  # e.g. a KeyboardInterrupt: removing the group also kills the actors already created
+            remove_placement_group(pg)
+            raise
+        return cls(name, actors, pg)
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def wait_ready(self, placement_timeout_s: float, timeout_s: float) -> list[RankInfo]:
+        """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""
+        import ray
+
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
+        if not ready:
+            bundle = self.placement_group.bundle_specs[0] if self.placement_group.bundle_specs else {}
+            raise PlacementError(
+                f"could not place {self.size} rank(s) ({describe_resources(bundle)} each) within "
+                f"{placement_timeout_s:.0f} s; the cluster has {describe_resources(ray.cluster_resources())} in all "
+                f"and {describe_resources(ray.available_resources())} free. Add nodes, lower tp, or pass "
+                "use_gpu=False / a smaller cpus_per_rank"
+            )
+        self.ranks = self.gather([a.info.remote() for a in self.actors], timeout_s, "start")
+        return self.ranks
+
+    def gather(self, refs: list, timeout_s: float, what: str, grace_s: float = 2.0) -> list:
+        """ray.get every rank's ref; failures (or a timeout) become one RankFailedError keyed by rank.
+
+        After the first failure the others get `grace_s` more seconds to report theirs,
+        so one error lists every rank that failed at about the same time.
+        """
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        results, failures = {}, {}
+        pending = dict(enumerate(refs))
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1,
+                                timeout=max(0.0, deadline - time.monotonic()))
+            for rank in [r for r, ref in pending.items() if ref in ready]:
+                try:
+                    results[rank] = ray.get(pending.pop(rank))
+                except Exception as e:  # noqa: BLE001  (a rank's failure, reported with all others)
+                    failures[rank] = _cause(e)
+                    deadline = min(deadline, time.monotonic() + grace_s)
+            if pending and time.monotonic() >= deadline:
+                if not failures:
+                    failures = {r: TimeoutError(f"{what} did not finish within {timeout_s:.0f} s{self._stuck(r)}")
+                                for r in pending}
+                break
+        if failures:
+            raise RankFailedError(failures, what)
+        return [results[r] for r in range(len(refs))]
+
+    def _stuck(self, rank: int) -> str:
+        """Why a rank that timed out may be stuck, when its actor is RESTARTING (e.g. its node was lost)."""
+        try:
+            from ray.util.state import list_actors
+
+            states = {a.state for a in list_actors(filters=[("name", "=", f"{self.name}-rank{rank}")], timeout=10)}
+        except Exception:  # noqa: BLE001  (best effort: the state API needs the dashboard; the timeout is the error)
+            return ""
+        if "RESTARTING" in states:
+            return ("; its actor is RESTARTING: its process or node was lost and Ray found no room to "
+                    "restart it (add capacity or lower tp)")
+        return ""
+
+    def release(self) -> None:
+        """Kill the actors and remove the placement group (idempotent; errors of what is already gone ignored)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001  (already dead)
+                pass
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001  (already removed)
+                pass
+        self.actors, self.placement_group, self.ranks = [], None, []
+
+
+def _cause(e: Exception) -> BaseException:
+    """The rank's own exception when Ray wrapped it (RayTaskError), else Ray's error."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e

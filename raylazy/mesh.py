@@ -1,0 +1,78 @@
+"""The device mesh: named parallel dimensions, the world size, and each rank's coordinates.
+
+Ranks are numbered row-major over `DIMS` (outermost first), so `tp` varies
+fastest: with `Mesh(pp=2, tp=4)` ranks 0-3 form the first pipeline stage. Only
+`tp` is planned today; `pp`, `ep` and `dp` (replicas) are named so that adding
+them adds planning, not a new way to describe the world.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigurationError
+
+#: The dimensions a mesh may name, outermost first: pipeline stages, data-parallel replicas,
+#: expert parallel, tensor parallel.
+DIMS = ("pp", "dp", "ep", "tp")
+
+
+class Mesh(BaseModel):
+    """Sizes of the parallel dimensions (each >= 1, default 1), e.g. `Mesh(tp=8)`.
+
+    A bad size is a `ConfigurationError` naming the dimension.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    pp: int = Field(1, ge=1, le=4096)
+    dp: int = Field(1, ge=1, le=4096)
+    ep: int = Field(1, ge=1, le=4096)
+    tp: int = Field(1, ge=1, le=4096)
+
+    def __init__(self, **dims: int):
+        try:
+            super().__init__(**dims)
+        except ValidationError as e:
+            raise ConfigurationError.from_validation(e, f"mesh (dimensions: {', '.join(DIMS)})") from None
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Every dimension's size, outermost first."""
+        return {d: getattr(self, d) for d in DIMS}
+
+    @property
+    def size(self) -> int:
+        """The world size: the number of ranks."""
+        n = 1
+        for d in DIMS:
+            n *= getattr(self, d)
+        return n
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> its coordinate along every dimension."""
+        if not 0 <= rank < self.size:
+            raise ConfigurationError(f"rank {rank} is outside a mesh of {self.size} rank(s) ({self})")
+        out = {}
+        for d in reversed(DIMS):
+            rank, out[d] = divmod(rank, getattr(self, d))
+        return {d: out[d] for d in DIMS}
+
+    def rank(self, **coords: int) -> int:
+        """Coordinates (missing ones are 0) -> the rank."""
+        unknown = set(coords) - set(DIMS)
+        if unknown:
+            raise ConfigurationError(f"no mesh dimension {', '.join(sorted(unknown))} (dimensions: {', '.join(DIMS)})")
+        rank = 0
+        for d in DIMS:
+            c, n = coords.get(d, 0), getattr(self, d)
+            if not 0 <= c < n:
+                raise ConfigurationError(f"coordinate {d}={c} is outside the mesh's {d}={n}")
+            rank = rank * n + c
+        return rank
+
+    def __repr__(self) -> str:
+        dims = [f"{d}={n}" for d, n in self.shape.items() if n > 1]
+        return f"Mesh({', '.join(dims) or 'tp=1'})"
+
+    __str__ = __repr__

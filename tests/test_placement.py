@@ -1,0 +1,92 @@
+"""Placement: requests that can never be placed fail at once; a local Ray raylazy starts shares its CPUs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import raylazy
+from raylazy.errors import PlacementError
+from raylazy.placement import can_ever_place, cpu_share, node_capacity, rank_bundles
+
+ONE_CPU, GPU = {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1}
+
+
+@pytest.mark.parametrize(
+    "bundles, nodes, strategy, ok",
+    [
+        ([ONE_CPU] * 4, [{"CPU": 2}, {"CPU": 2}], "PACK", True),
+        ([ONE_CPU] * 5, [{"CPU": 2}, {"CPU": 2}], "PACK", False),
+        ([ONE_CPU] * 4, [{"CPU": 2}, {"CPU": 2}], "STRICT_PACK", False),
+        ([ONE_CPU] * 2, [{"CPU": 2}, {"CPU": 2}], "STRICT_PACK", True),
+        ([ONE_CPU] * 2, [{"CPU": 8}], "STRICT_SPREAD", False),
+        ([ONE_CPU] * 2, [{"CPU": 1}, {"CPU": 1}], "STRICT_SPREAD", True),
+        ([ONE_CPU] * 3, [{"CPU": 1}, {"CPU": 1}], "SPREAD", False),
+        ([GPU] * 2, [{"CPU": 8}], "PACK", False),  # no GPU anywhere
+        ([GPU] * 8, [{"CPU": 4, "GPU": 8}], "PACK", False),  # the CPUs run out first
+        ([GPU] * 8, [{"CPU": 16, "GPU": 8}], "STRICT_PACK", True),
+        ([{"CPU": 0.25}] * 8, [{"CPU": 2}], "STRICT_PACK", True),
+        ([ONE_CPU], [], "PACK", False),
+    ],
+)
+def test_can_ever_place(bundles, nodes, strategy, ok):
+    assert can_ever_place(bundles, nodes, strategy) is ok
+
+
+@pytest.mark.parametrize("cpus, tp", [(2, 8), (2, 3), (2, 1), (16, 8), (1, 7)])
+def test_cpu_share_fits_every_rank(cpus, tp):
+    share = cpu_share(cpus, tp)
+    assert 0 < share <= 1 and node_capacity({"CPU": cpus}, {"CPU": share}) >= tp
+    assert share == 1 or share * tp > cpus - 0.001 * tp  # no more than Ray's rounding is left unused
+
+
+def _groups() -> set:
+    import ray
+
+    return set(ray.util.placement_group_table())
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    "kwargs, asked",
+    [
+        (dict(cpus_per_rank=100), "100 CPU"),
+        (dict(use_gpu=True), "1 GPU"),
+        (dict(placement_strategy="STRICT_SPREAD"), "STRICT_SPREAD"),
+    ],
+)
+def test_a_request_that_can_never_be_placed_fails_at_once(llama_dir, ray_local, kwargs, asked):
+    import ray
+
+    from raylazy.placement import autoscaler_can_add_nodes
+
+    assert not autoscaler_can_add_nodes()  # a local Ray runs Ray's read-only autoscaler
+    before, t0 = _groups(), time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        raylazy.load(llama_dir, 2, device="cpu", progress=False, placement_timeout_s=300, **kwargs)
+    assert time.monotonic() - t0 < 10
+    msg = str(info.value)
+    assert "2 rank(s)" in msg and asked in msg and "can never be placed" in msg
+    assert f"{ray.cluster_resources()['CPU']:g} CPU" in msg  # what exists
+    assert _groups() == before  # nothing was created
+
+
+@pytest.mark.slow
+def test_embedded_default_loads_any_tp_on_two_cores(tmp_path):
+    """`raylazy load --tp 8` with no cluster: raylazy's own local Ray shares its CPUs among 8 ranks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_ADDRESS"] = "local"  # never join the test session's Ray (nor any other on this machine)
+    run = subprocess.run([sys.executable, "-m", "raylazy.cli", "load", "--tp", "8", "--no-progress"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(8)), run.stdout
+    assert "tp=8" in run.stderr + run.stdout
+
+
+def test_rank_bundles_use_the_share():
+    assert rank_bundles(3, False, cpu_share(2, 3)) == [{"CPU": 0.6666}] * 3
