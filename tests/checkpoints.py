@@ -120,15 +120,6 @@ def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of `t` (on any device), as safetensors stores them: for
-    bit-for-bit comparisons."""
-    t = t.detach().cpu().contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
 def make_hf_cache(src: str, cache: str, repo: str = "models--org--tiny", rev: str = "0123abcd", ref: str = "main") -> str:
     """Copy `src` as the hub cache stores it: snapshots/<rev>/<name> -> ../../blobs/<sha256>, refs/<ref> -> rev."""
     blobs = os.path.join(cache, repo, "blobs")

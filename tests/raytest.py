@@ -1,7 +1,7 @@
 """What the Ray tests share: loading with a test rank actor, checking ranks bit for bit against
 safetensors, finding raylazy's live actors and placement groups, and waiting for them to go.
 
-Functions defined here and in checkpoints.py travel to the rank actors by value
+Functions defined here and in planlib.py travel to the rank actors by value
 (`loaded.run(where_am_i)`): the workers need not import these files.
 """
 
@@ -15,14 +15,14 @@ import time
 import raylazy
 from raylazy.actor import RankLoader
 
-import checkpoints
-from checkpoints import reference_tensors, tensor_bytes
-from planlib import reference_shard
+import planlib
+from checkpoints import reference_tensors
+from planlib import as_bytes, reference_shard
 
 try:
     import ray.cloudpickle
 
-    for _module in (sys.modules[__name__], checkpoints):  # tensor_bytes runs in the actors too
+    for _module in (sys.modules[__name__], planlib):  # as_bytes runs in the actors too
         ray.cloudpickle.register_pickle_by_value(_module)
 except Exception:  # noqa: BLE001  (Ray missing: the Ray tests skip)
     pass
@@ -61,11 +61,11 @@ def check_rank(plan_rank, shards: dict, model_dir: str) -> None:
         assert got.device.type == "cpu", t.name
         assert got.dtype == ref.dtype, (t.name, got.dtype, ref.dtype)
         assert tuple(got.shape) == tuple(t.shape) == tuple(ref.shape), (t.name, got.shape, t.shape)
-        assert tensor_bytes(got) == tensor_bytes(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
+        assert as_bytes(got) == as_bytes(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
         if t.dim is not None and len(t.pieces) == 1:
             src, dst, length = t.pieces[0]
             if dst == 0 and length == t.shape[t.dim]:  # the shard is one slice of the full tensor
-                assert tensor_bytes(got) == tensor_bytes(full[t.name].narrow(t.dim, src, length)), t.name
+                assert as_bytes(got) == as_bytes(full[t.name].narrow(t.dim, src, length)), t.name
 
 
 def check_ranks(plan, per_rank: list[dict], model_dir: str) -> None:
@@ -89,7 +89,7 @@ def digest(shards: dict) -> str:
         h.update(name.encode())
         h.update(str(shards[name].dtype).encode())
         h.update(str(tuple(shards[name].shape)).encode())
-        h.update(tensor_bytes(shards[name]))
+        h.update(as_bytes(shards[name]))
     return h.hexdigest()
 
 

@@ -22,8 +22,8 @@ from raylazy.options import QUEUE_SIZE_ENV, load_options
 from raylazy.placements import Replicated, Split
 from raylazy.planner import make_plan
 
-from checkpoints import reference_tensors, tensor_bytes
-from planlib import reference_shard
+from checkpoints import reference_tensors
+from planlib import as_bytes, reference_shard
 
 QUEUE_SIZES = (-1, 0, 1, 2)
 
@@ -38,7 +38,7 @@ def assert_same_shards(got: dict, want: dict) -> None:
         g = got[name]
         assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), name
         assert g.device.type == "cpu"
-        assert tensor_bytes(g) == tensor_bytes(w), f"{name}: bytes differ"
+        assert as_bytes(g) == as_bytes(w), f"{name}: bytes differ"
 
 
 @pytest.fixture(scope="module")

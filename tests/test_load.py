@@ -33,8 +33,8 @@ from raylazy.actor import RankLoader
 from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
 from raylazy.plans import format_bytes
 
-from checkpoints import shard_files, tensor_bytes  # noqa: E402  (tests/ is on sys.path)
-from planlib import reference_shard
+from checkpoints import shard_files  # noqa: E402  (tests/ is on sys.path)
+from planlib import as_bytes, reference_shard
 from raytest import (actor_ids, assert_no_leaks, check_ranks, digest, full_tensors, live, load_with,
                      raylazy_actors, raylazy_groups, where_am_i)
 
@@ -335,7 +335,7 @@ def test_gloo_direct_transport_and_context_manager(llama_dir, ray_local):
 
 def _received(rank: int, shards: dict, received: dict) -> dict:
     """Run in the rank actor: what the CUDA IPC ref resolved to, next to the actor's own shards."""
-    return {name: (t.device.type, tensor_bytes(t)) for name, t in received.items()} | {
+    return {name: (t.device.type, as_bytes(t)) for name, t in received.items()} | {
         "__own__": sorted({t.device.type for t in shards.values()})
     }
 
@@ -363,7 +363,7 @@ def test_gpu_tp1_shards_are_cuda_and_travel_by_cuda_ipc(llama_dir, ray_local):
         for t in rp.tensors:
             device, data = got[t.name]
             assert device == "cuda", t.name
-            assert data == tensor_bytes(reference_shard(full[t.name], t)), t.name
+            assert data == as_bytes(reference_shard(full[t.name], t)), t.name
 
 
 # --- errors leave nothing behind ------------------------------------------------------------------

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from checkpoints import reference_tensors, tensor_bytes
-from planlib import apply_reads, read_files, read_ranges, reference_shard
+from checkpoints import reference_tensors
+from planlib import apply_reads, as_bytes, read_files, read_ranges, reference_shard
 from raylazy.checkpoint import Checkpoint, ModelConfig
 from raylazy.dtypes import DTYPE_BITS
 from raylazy.errors import (
@@ -85,7 +85,7 @@ def _shard(plan: Plan, rank: int, name: str):
 
 def _check_shard_bytes(plan: Plan, shard, expected: torch.Tensor) -> None:
     assert tuple(shard.shape) == tuple(expected.shape), shard.name
-    assert apply_reads(shard, _files(plan)) == tensor_bytes(expected), f"{shard.name}: reads give the wrong bytes"
+    assert apply_reads(shard, _files(plan)) == as_bytes(expected), f"{shard.name}: reads give the wrong bytes"
 
 
 def _write_checkpoint(path, tensors: dict[str, torch.Tensor], config: dict | None) -> str:
@@ -119,7 +119,7 @@ def test_reads_reproduce_every_slice(model_dir, tp):
             full = ref[shard.name]
             assert tuple(shard.full_shape) == tuple(full.shape) and shard.dtype == "BF16"
             expected = reference_shard(full, shard)
-            assert apply_reads(shard, files) == tensor_bytes(expected), f"rank {rp.rank}: {shard.name}"
+            assert apply_reads(shard, files) == as_bytes(expected), f"rank {rp.rank}: {shard.name}"
             if shard.dim is not None and len(shard.pieces) == 1:
                 src, dst, length = shard.pieces[0]
                 assert dst == 0 and length == shard.shape[shard.dim]
@@ -523,7 +523,7 @@ def test_max_gap_gathers_row_reads(llama_dir):
     extra = 0
     for rp_plain, rp in zip(plain.ranks, everything.ranks):
         for t_plain, t in zip(rp_plain.tensors, rp.tensors):
-            assert apply_reads(t, files) == tensor_bytes(reference_shard(ref[t.name], t))
+            assert apply_reads(t, files) == as_bytes(reference_shard(ref[t.name], t))
             for rd_plain, rd in zip(t_plain.reads, t.reads):
                 assert rd.gather == (rd.count > 1)
                 extra += (rd.count - 1) * (rd.stride - rd.length) if rd.gather else 0

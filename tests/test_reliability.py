@@ -41,7 +41,7 @@ from raylazy.errors import FileChangedError, NoShardsError, RankFailedError, Rea
 from raylazy.options import ReaderOptions
 from raylazy.io.ranged import read_rank
 
-from checkpoints import tensor_bytes  # noqa: E402  (tests/ is on sys.path)
+from planlib import as_bytes  # noqa: E402  (tests/ is on sys.path)
 from raytest import (assert_no_leaks, check_loaded, check_rank, live, load_with, raylazy_actors, raylazy_groups,
                      wait_for, where_am_i)
 
@@ -586,7 +586,7 @@ def test_concurrent_loads_complete_or_wait_and_release_independently(llama_dir, 
         # releasing one does not disturb the other: its actors still hold their shards
         loaded[others[0]].release()
         keep = loaded[others[1]]
-        inside = ray.get(keep.run(lambda rank, shards: {k: tensor_bytes(v) for k, v in shards.items()}), timeout=60)
+        inside = ray.get(keep.run(lambda rank, shards: {k: as_bytes(v) for k, v in shards.items()}), timeout=60)
         for rp, got in zip(keep.plan.ranks, inside):
             check_rank(rp, {t.name: _typed(got[t.name], t) for t in rp.tensors}, specs[others[1]][0])
     finally:
