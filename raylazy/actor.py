@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import NoShardsError
-from .io.common import ReadStats
+from .io.common import Counter, ReadStats
 from .options import ReaderOptions
 from .plans import RankPlan
 
@@ -58,27 +58,23 @@ class RankLoader:
             device=resolve_device(device, gpu_ids),
         )
         self._shards: dict | None = None
-        self._progress = 0
+        self._progress = Counter()  # added to by the reader threads
 
     def info(self) -> RankInfo:
         return self.info_
 
     def progress(self) -> int:
         """Bytes of shard data loaded so far by the current load."""
-        return self._progress
+        return self._progress.value
 
     def load(self, plan: RankPlan, options: ReaderOptions) -> ReadStats:
         """Read this rank's shards onto its device. On failure nothing is kept."""
-        self._shards, self._progress = None, 0
-
-        def on_progress(n: int) -> None:
-            self._progress += n
-
+        self._shards, self._progress = None, Counter()
         if options.backend == "fastsafetensors":
             from .io.fst import read_rank_fastsafetensors as read
         else:
             from .io.ranged import read_rank as read
-        shards, stats = read(plan, self.info_.device, options=options, on_progress=on_progress)
+        shards, stats = read(plan, self.info_.device, options=options, on_progress=self._progress.add)
         self._shards = shards
         return stats
 

@@ -194,15 +194,14 @@ def _wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOpt
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"raylazy tp={plan.tp}", file=sys.stderr) as bar:
         while time.monotonic() - start < opts.timeout_s:
             ready, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
-            if len(ready) == len(loads):
-                break
             try:
                 done = sum(ray.get([a.progress.remote() for a in group.actors], timeout=5))
             except Exception:  # noqa: BLE001  (a dead rank: gather reports it below)
                 break
-            bar.update(done - bar.n)
+            bar.update(done - bar.n)  # the ranks' own count, also after the last load: the bar is never forced full
+            if len(ready) == len(loads):
+                break
         stats = group.gather(loads, max(0.0, opts.timeout_s - (time.monotonic() - start)), "load")
-        bar.update(total - bar.n)
     return stats
 
 

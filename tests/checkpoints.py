@@ -120,14 +120,6 @@ def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of `t`, as safetensors stores them."""
-    t = t.contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.view(torch.uint8).numpy().tobytes()
-
-
 def make_hf_cache(src: str, cache: str, repo: str = "models--org--tiny", rev: str = "0123abcd", ref: str = "main") -> str:
     """Copy `src` as the hub cache stores it: snapshots/<rev>/<name> -> ../../blobs/<sha256>, refs/<ref> -> rev."""
     blobs = os.path.join(cache, repo, "blobs")

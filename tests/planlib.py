@@ -51,8 +51,8 @@ def reference_shard(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of `t` (as safetensors stores them)."""
-    t = t.contiguous()
+    """The raw little-endian bytes of `t`, on any device (as safetensors stores them)."""
+    t = t.detach().cpu().contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -20,8 +20,8 @@ from checkpoints import (
     make_hf_cache,
     reference_tensors,
     shard_files,
-    tensor_bytes,
 )
+from planlib import as_bytes
 from raylazy.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ModelConfig, open_checkpoint
 from raylazy.errors import (
     CheckpointError,
@@ -79,7 +79,7 @@ def assert_matches_reference(ckpt: Checkpoint, model_dir: str) -> None:
         _, dtype, shape, data = ours[name]
         assert dtype == SAFETENSORS_DTYPE[t.dtype], name
         assert shape == tuple(t.shape), name
-        assert data == tensor_bytes(t), name
+        assert data == as_bytes(t), name
     assert ckpt.nbytes == sum(t.numel() * t.element_size() for t in ref.values())
 
 
@@ -94,7 +94,7 @@ def test_fixture_weights_are_random_and_distinct(model_dir):
         assert t.dtype == torch.bfloat16, name
         flat = t.float().reshape(-1)
         assert flat.numel() > 1 and not torch.all(flat == flat[0]), f"{name} is constant"
-        digest = hashlib.sha256(tensor_bytes(t)).hexdigest()
+        digest = hashlib.sha256(as_bytes(t)).hexdigest()
         assert digest not in seen, f"{name} repeats another tensor"
         seen.add(digest)
     assert len(shard_files(model_dir)) >= 2
@@ -194,7 +194,7 @@ def test_arbitrary_safetensors_names_without_index(tmp_path):
     assert ckpt.config == ModelConfig()  # no config.json
     got = listing(ckpt)
     for name, t in tensors.items():
-        assert got[name][3] == tensor_bytes(t)
+        assert got[name][3] == as_bytes(t)
 
 
 def test_path_to_one_file(mixtral_dir):
@@ -208,7 +208,7 @@ def test_path_to_one_file(mixtral_dir):
     got = listing(ckpt)
     assert set(got) == set(expected)
     for name, t in expected.items():
-        assert got[name][3] == tensor_bytes(t)
+        assert got[name][3] == as_bytes(t)
     # The config next to the file is read.
     assert ckpt.config == open_checkpoint(mixtral_dir).config
     assert ckpt.config.num_experts == MODEL_SPECS["mixtral"][1]["num_local_experts"]

@@ -17,7 +17,6 @@ can be compared with the plan.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -34,8 +33,10 @@ from raylazy.actor import RankLoader
 from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
 from raylazy.plans import format_bytes
 
-from checkpoints import reference_tensors, shard_files  # noqa: E402  (tests/ is on sys.path)
-from planlib import reference_shard
+from checkpoints import shard_files  # noqa: E402  (tests/ is on sys.path)
+from planlib import as_bytes, reference_shard
+from raytest import (actor_ids, assert_no_leaks, check_ranks, digest, full_tensors, live, load_with,
+                     raylazy_actors, raylazy_groups, where_am_i)
 
 try:  # actor classes and functions defined here travel by value: workers need not import this file
     import ray.cloudpickle
@@ -49,29 +50,8 @@ ray = pytest.importorskip("ray")
 KINDS = ("llama", "qwen2", "mixtral")
 TPS = (1, 2, 4)
 
-#: The rank actors of a failed or released load must be dead within this many seconds.
-GONE_WITHIN_S = 30.0
-
 
 # --- helpers --------------------------------------------------------------------------------------
-
-
-def raw(t: torch.Tensor) -> bytes:
-    """The tensor's bytes as safetensors stores them (bit-for-bit comparisons)."""
-    t = t.detach().cpu().contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def digest(shards: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(shards):
-        h.update(name.encode())
-        h.update(str(shards[name].dtype).encode())
-        h.update(str(tuple(shards[name].shape)).encode())
-        h.update(raw(shards[name]))
-    return h.hexdigest()
 
 
 def read_rchar(pid: int | str = "self") -> tuple[int, int]:
@@ -121,91 +101,6 @@ def truncating_loader(path: str, size: int) -> type:
             return super().load(plan, options)
 
     return TruncatingLoader
-
-
-def where_am_i(rank: int, shards: dict):
-    """Run inside a rank actor: who runs it and what it holds."""
-    return {
-        "rank": rank,
-        "pid": os.getpid(),
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "gpu_ids": tuple(str(g) for g in ray.get_gpu_ids()),
-        "digest": digest(shards),
-        "devices": sorted({str(t.device) for t in shards.values()}),
-    }
-
-
-def raylazy_actors() -> dict[str, str]:
-    """actor id -> state of every raylazy rank actor (named raylazy-<id>-rank<r>) of the connected cluster.
-
-    Read from the GCS tables, not `ray.util.state`: that API goes through the dashboard,
-    which the test clusters do not start (and on a shared machine it could even reach
-    another cluster's dashboard on the default port).
-    """
-    import ray._private.state as state
-
-    return {aid: a["State"] for aid, a in state.actors().items() if (a.get("Name") or "").startswith("raylazy-")}
-
-
-def raylazy_groups() -> dict[str, str]:
-    """placement group id -> state of every raylazy placement group of the connected cluster."""
-    return {
-        pid: g["state"] for pid, g in ray.util.placement_group_table().items() if (g.get("name") or "").startswith("raylazy-")
-    }
-
-
-def live() -> tuple[set, set]:
-    """(ids of ALIVE raylazy actors, ids of CREATED raylazy placement groups); pending ones count too."""
-    actors = {a for a, s in raylazy_actors().items() if s != "DEAD"}
-    groups = {g for g, s in raylazy_groups().items() if s != "REMOVED"}
-    return actors, groups
-
-
-def assert_nothing_new_alive(before: tuple[set, set], what: str) -> None:
-    """Within GONE_WITHIN_S, no raylazy actor or placement group is alive beyond those in `before`."""
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while True:
-        actors, groups = live()
-        new_actors, new_groups = actors - before[0], groups - before[1]
-        if not new_actors and not new_groups:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"after {what}: still alive: actors {sorted(new_actors)}, groups {sorted(new_groups)}")
-        time.sleep(0.2)
-
-
-_FULL: dict[str, dict] = {}
-
-
-def full_tensors(model_dir: str) -> dict:
-    if model_dir not in _FULL:
-        _FULL[model_dir] = reference_tensors(model_dir)
-    return _FULL[model_dir]
-
-
-def check_rank(plan_rank, shards: dict, full: dict) -> None:
-    """Every planned tensor is there, nothing else, each equal bit for bit to its reference shard."""
-    planned = [t.name for t in plan_rank.tensors]
-    assert sorted(shards) == sorted(planned), (
-        f"rank {plan_rank.rank}: missing {sorted(set(planned) - set(shards))}, extra {sorted(set(shards) - set(planned))}"
-    )
-    for t in plan_rank.tensors:
-        got, ref = shards[t.name], reference_shard(full[t.name], t)
-        assert got.device.type == "cpu"
-        assert got.dtype == ref.dtype, (t.name, got.dtype, ref.dtype)
-        assert tuple(got.shape) == tuple(t.shape) == tuple(ref.shape), (t.name, got.shape, t.shape)
-        assert raw(got) == raw(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
-        if t.dim is not None and len(t.pieces) == 1:
-            src, dst, length = t.pieces[0]
-            if dst == 0 and length == t.shape[t.dim]:  # the shard is one slice of the full tensor
-                assert raw(got) == raw(full[t.name].narrow(t.dim, src, length)), t.name
-
-
-def check_all_ranks(plan, per_rank: list[dict], model_dir: str) -> None:
-    full = full_tensors(model_dir)
-    assert len(per_rank) == plan.tp
-    for rp, shards in zip(plan.ranks, per_rank):
-        check_rank(rp, shards, full)
 
 
 # --- multi-node placement (its own two-node cluster) -----------------------------------------------
@@ -268,11 +163,11 @@ class TestMultiNode:
             # no two ranks on one node share a GPU
             per_node_gpus = Counter((node_map[r][0], inside[r]["gpu_ids"]) for r in range(tp))
             assert max(per_node_gpus.values()) == 1, per_node_gpus
-            check_all_ranks(loaded.plan, ray.get(loaded.refs()), llama_dir)
+            check_ranks(loaded.plan, ray.get(loaded.refs()), llama_dir)
             placed = [node_map[r][0] for r in range(tp)]
         finally:
             loaded.release()
-        assert_nothing_new_alive(before, f"{strategy} release")
+        assert_no_leaks(before, f"{strategy} release")
         return placed
 
     def test_pack_fills_both_nodes(self, cluster, llama_dir):
@@ -304,7 +199,7 @@ class TestShards:
     def case(self, request, ray_local):
         kind, tp = request.param
         model_dir = request.getfixturevalue(f"{kind}_dir")
-        loaded = raylazy.load(model_dir, tp, device="cpu", actor_cls=RcharLoader, progress=False)
+        loaded = load_with(RcharLoader, model_dir, tp, device="cpu", progress=False)
         try:
             yield kind, tp, model_dir, loaded
         finally:
@@ -314,7 +209,7 @@ class TestShards:
         kind, tp, model_dir, loaded = case
         assert loaded.tp == tp and len(loaded.ranks) == tp and [i.rank for i in loaded.ranks] == list(range(tp))
         per_rank = ray.get(loaded.refs(), timeout=120)
-        check_all_ranks(loaded.plan, per_rank, model_dir)
+        check_ranks(loaded.plan, per_rank, model_dir)
         # the plan really splits: at tp > 1 some shards are smaller than their tensor
         split = [t for t in loaded.plan.ranks[0].tensors if t.shape != t.full_shape]
         assert bool(split) == (tp > 1)
@@ -353,22 +248,21 @@ class TestShards:
             f"{kind} tp={tp}: ranks read {measured} bytes, the plan says {expected} (incl. headers)"
         )
 
-    def test_release_leaves_nothing(self, case):
-        kind, tp, model_dir, loaded = case
-        ids = {a._actor_id.hex() for a in loaded.actors}
-        group = loaded.placement_group.id.hex()
-        assert all(raylazy_actors().get(a) == "ALIVE" for a in ids)
-        assert raylazy_groups().get(group) == "CREATED"
-        loaded.release()
-        loaded.release()  # idempotent
-        assert loaded.actors == [] and loaded.placement_group is None
-        deadline = time.monotonic() + GONE_WITHIN_S
-        while not (all(raylazy_actors().get(a) == "DEAD" for a in ids) and raylazy_groups().get(group) == "REMOVED"):
-            assert time.monotonic() < deadline, f"release(): {raylazy_actors()} {raylazy_groups()}"
-            time.sleep(0.2)
-        # and no other raylazy actor or group is alive in this cluster (every earlier load was released)
-        actors, groups = live()
-        assert not actors and not groups, (actors, groups)
+
+@pytest.mark.ray
+def test_release_leaves_nothing(llama_dir, ray_local):
+    """A load of its own: release() kills its actors and removes its group, twice is harmless, and
+    nothing of it stays alive (whatever other tests left running before)."""
+    before = live()
+    loaded = raylazy.load(llama_dir, 2, device="cpu", progress=False)
+    ids, group = actor_ids(loaded), loaded.placement_group.id.hex()
+    assert len(ids) == 2 and all(raylazy_actors().get(a) == "ALIVE" for a in ids)
+    assert raylazy_groups().get(group) == "CREATED"
+    loaded.release()
+    loaded.release()  # idempotent
+    assert loaded.actors == [] and loaded.placement_group is None
+    assert_no_leaks(before, "release()")
+    assert all(raylazy_actors().get(a) == "DEAD" for a in ids) and raylazy_groups().get(group) == "REMOVED"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -423,25 +317,25 @@ def test_gloo_direct_transport_and_context_manager(llama_dir, ray_local):
     consumer = ray.remote(num_cpus=0, enable_tensor_transport=True)(Consumer).remote()
     try:
         with raylazy.load(llama_dir, 2, device="cpu", progress=False) as loaded:
-            ids = {a._actor_id.hex() for a in loaded.actors}
+            ids = actor_ids(loaded)
             group = create_collective_group(loaded.actors + [consumer], backend="torch_gloo")
             try:
                 got = ray.get([consumer.receive.remote(ref) for ref in loaded.refs(transport="gloo")], timeout=180)
             finally:
                 destroy_collective_group(group)
-            check_all_ranks(loaded.plan, [g["shards"] for g in got], llama_dir)
+            check_ranks(loaded.plan, [g["shards"] for g in got], llama_dir)
             assert got[0]["pid"] not in {i.pid for i in loaded.ranks}
     finally:
         ray.kill(consumer)
     # leaving the with block released the load
     assert loaded.actors == [] and loaded.placement_group is None
-    assert_nothing_new_alive(before, "with raylazy.load(...)")
+    assert_no_leaks(before, "with raylazy.load(...)")
     assert all(raylazy_actors().get(a) == "DEAD" for a in ids)
 
 
 def _received(rank: int, shards: dict, received: dict) -> dict:
     """Run in the rank actor: what the CUDA IPC ref resolved to, next to the actor's own shards."""
-    return {name: (t.device.type, raw(t)) for name, t in received.items()} | {
+    return {name: (t.device.type, as_bytes(t)) for name, t in received.items()} | {
         "__own__": sorted({t.device.type for t in shards.values()})
     }
 
@@ -469,7 +363,7 @@ def test_gpu_tp1_shards_are_cuda_and_travel_by_cuda_ipc(llama_dir, ray_local):
         for t in rp.tensors:
             device, data = got[t.name]
             assert device == "cuda", t.name
-            assert data == raw(reference_shard(full[t.name], t)), t.name
+            assert data == as_bytes(reference_shard(full[t.name], t)), t.name
 
 
 # --- errors leave nothing behind ------------------------------------------------------------------
@@ -484,7 +378,7 @@ def test_plan_failure_raises_and_releases(llama_dir, ray_local, tmp_path):
     before = live()
     with pytest.raises(UnknownArchitectureError, match="nope"):
         raylazy.load(str(bad), 2, device="cpu", progress=False)
-    assert_nothing_new_alive(before, "a failed plan")
+    assert_no_leaks(before, "a failed plan")
 
 
 @pytest.mark.ray
@@ -499,13 +393,13 @@ def test_rank_read_failure_names_ranks_and_file(llama_dir, ray_local, tmp_path):
     size = os.path.getsize(victim)
     before = live()
     with pytest.raises(RankFailedError) as info:
-        raylazy.load(str(copy), 2, device="cpu", progress=False, actor_cls=truncating_loader(victim, size - 1))
+        load_with(truncating_loader(victim, size - 1), str(copy), 2, device="cpu", progress=False)
     err = info.value
     assert set(err.failures) == users
     assert "rank(s) " + ", ".join(map(str, sorted(users))) in str(err)
     assert victim in str(err)
     assert all(victim in str(e) for e in err.failures.values())
-    assert_nothing_new_alive(before, "a failed rank")
+    assert_no_leaks(before, "a failed rank")
 
 
 @pytest.mark.ray
@@ -517,23 +411,46 @@ def test_placement_error_within_timeout(llama_dir, ray_local):
                      rules=[raylazy.Rule("*", raylazy.Replicated())])  # a plan valid at tp=64
     elapsed = time.monotonic() - t0
     assert 3 <= elapsed < 3 + 30, elapsed
-    assert_nothing_new_alive(before, "a placement timeout")
+    assert_no_leaks(before, "a placement timeout")
 
 
 # --- progress bar and summary ----------------------------------------------------------------------
 
 
+class SlowLoader(RankLoader):
+    """A RankLoader whose positional reads take 10 ms more each, so that a load lasts seconds."""
+
+    def load(self, plan, options):
+        real = os.preadv
+
+        def preadv(*args):
+            time.sleep(0.01)
+            return real(*args)
+
+        os.preadv = preadv
+        try:
+            return super().load(plan, options)
+        finally:
+            os.preadv = real
+
+
 @pytest.mark.ray
 def test_progress_bar_and_summary(llama_dir, ray_local, capfd, caplog):
+    """The bar shows what the ranks report: it moves while they read and is full only when they say so."""
     from tqdm import tqdm
 
     caplog.set_level(logging.INFO, logger="raylazy")
-    with raylazy.load(llama_dir, 2, device="cpu", progress=True) as loaded:
+    with load_with(SlowLoader, llama_dir, 2, device="cpu", progress=True, threads=1) as loaded:
         total = loaded.plan.bytes_needed
         assert sum(s.bytes_needed for s in loaded.stats) == total
+        reported = ray.get([a.progress.remote() for a in loaded.actors], timeout=60)
+        assert reported == [rp.stats.bytes_needed for rp in loaded.plan.ranks]
     err = capfd.readouterr().err
     bar = [seg for seg in re.split(r"[\r\n]", err) if "raylazy tp=2" in seg]
     assert bar, err
+    percents = [int(re.search(r"(\d+)%", seg).group(1)) for seg in bar]
+    assert any(0 < p < 100 for p in percents), f"the bar never showed the ranks part-way: {bar}"
+    assert percents == sorted(percents), bar
     size = tqdm.format_sizeof(total)
     assert "100%" in bar[-1] and f"{size}/{size}" in bar[-1], bar[-1]
     lines = [r.getMessage() for r in caplog.records if r.name == "raylazy" and "loaded" in r.getMessage()]

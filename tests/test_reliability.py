@@ -4,9 +4,9 @@ or failing under the reader, memory bounds, concurrent loads, and an interrupted
 Each fault is injected deterministically:
 
 * A rank is made to block part-way through its read on the first attempt only
-  (`blocking_loader`: an `actor_cls` that patches the ranged reader in its own process
-  and leaves a marker file with its pid and node), so the driver knows exactly when to
-  kill its process, remove its node or interrupt itself.
+  (`blocking_loader`: a test rank actor, loaded with `raytest.load_with`, that patches the
+  ranged reader in its own process and leaves a marker file with its pid and node), so the
+  driver knows exactly when to kill its process, remove its node or interrupt itself.
 * Reader faults patch `os.preadv` / `os.open` (in the test process for direct
   `read_rank` calls, inside the actor for loads): tests run as root, so permissions
   cannot be taken away with chmod.
@@ -41,8 +41,9 @@ from raylazy.errors import FileChangedError, NoShardsError, RankFailedError, Rea
 from raylazy.options import ReaderOptions
 from raylazy.io.ranged import read_rank
 
-from checkpoints import reference_tensors  # noqa: E402  (tests/ is on sys.path)
-from planlib import reference_shard
+from planlib import as_bytes  # noqa: E402  (tests/ is on sys.path)
+from raytest import (assert_no_leaks, check_loaded, check_rank, live, load_with, raylazy_actors, raylazy_groups,
+                     wait_for, where_am_i)
 
 try:  # actor classes and functions defined here travel by value: workers need not import this file
     import ray.cloudpickle
@@ -51,79 +52,8 @@ try:  # actor classes and functions defined here travel by value: workers need n
 except Exception:  # noqa: BLE001  (Ray missing: the Ray tests skip)
     pass
 
-#: The rank actors and placement group of a failed or released load must be gone within this.
-GONE_WITHIN_S = 30.0
-
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def raw(t: torch.Tensor) -> bytes:
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-_FULL: dict[str, dict] = {}
-
-
-def check_rank(plan_rank, shards: dict, model_dir: str) -> None:
-    """Exactly the planned tensors, each equal bit for bit to its reference shard."""
-    if model_dir not in _FULL:
-        _FULL[model_dir] = reference_tensors(model_dir)
-    full = _FULL[model_dir]
-    assert sorted(shards) == sorted(t.name for t in plan_rank.tensors), f"rank {plan_rank.rank}"
-    for t in plan_rank.tensors:
-        got, ref = shards[t.name], reference_shard(full[t.name], t)
-        assert got.dtype == ref.dtype and tuple(got.shape) == tuple(ref.shape), t.name
-        assert raw(got) == raw(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
-
-
-def check_all(loaded, model_dir: str) -> None:
-    import ray
-
-    per_rank = ray.get(loaded.refs(), timeout=120)
-    for rp, shards in zip(loaded.plan.ranks, per_rank):
-        check_rank(rp, shards, model_dir)
-
-
-def live() -> tuple[set, set]:
-    """(ALIVE or restarting raylazy actors, not-removed raylazy placement groups) of the connected cluster.
-
-    Read from the GCS tables: `ray.util.state` goes through the dashboard, which the test
-    clusters do not start.
-    """
-    import ray
-    import ray._private.state as state
-
-    actors = {a for a, info in state.actors().items()
-              if (info.get("Name") or "").startswith("raylazy-") and info["State"] != "DEAD"}
-    groups = {g for g, info in ray.util.placement_group_table().items()
-              if (info.get("name") or "").startswith("raylazy-") and info["state"] != "REMOVED"}
-    return actors, groups
-
-
-def assert_no_leaks(before: tuple[set, set], what: str) -> None:
-    """Within GONE_WITHIN_S no raylazy actor is alive and no raylazy placement group exists beyond `before`."""
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while True:
-        actors, groups = live()
-        new = (actors - before[0], groups - before[1])
-        if not new[0] and not new[1]:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"after {what}: still alive: actors {sorted(new[0])}, groups {sorted(new[1])}")
-        time.sleep(0.2)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def blocking_loader(marker_dir: str, victims, block_s: float = 300.0, release_file: str | None = None) -> type:
@@ -177,20 +107,46 @@ def read_marker(marker_dir: str, rank: int) -> dict | None:
         return None
 
 
+def when(predicate, action, stop: threading.Event, timeout_s: float = 180) -> threading.Thread:
+    """A started daemon thread that calls action(value) on predicate()'s first truthy value (polled
+    every 50 ms), unless `stop` is set or `timeout_s` passes first."""
+
+    def go():
+        deadline = time.monotonic() + timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                if not stop.is_set():
+                    action(value)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+#: What `preadv_fault` can do to a call.
+PREADV_FAULTS = ("eio", "truncate")
+
+
 @contextlib.contextmanager
-def preadv_fault(kind: str, after: int):
+def preadv_fault(kind: str | None, after: int = 0):
     """Patch os.preadv (process-wide) so that its `after`-th call fails.
 
     kind "eio": the call raises OSError(EIO). kind "truncate": the file being read is
     truncated to its first 8 bytes just before the call (as if replaced under the reader).
-    Yields a dict whose "calls" counts the calls so far.
+    kind None: no call fails, the calls are only counted. Yields a dict whose "calls"
+    counts the calls so far and whose "fired" is the path of the failed call's file.
     """
+    if kind is not None and (kind not in PREADV_FAULTS or after < 1):
+        raise ValueError(f"preadv_fault({kind!r}, after={after}): kind is one of {PREADV_FAULTS} or None, after >= 1")
     real, lock, state = os.preadv, threading.Lock(), {"calls": 0, "fired": None}
 
     def preadv(fd, buffers, offset, *args):
         with lock:
             state["calls"] += 1
-            fire = state["calls"] == after
+            fire = kind is not None and state["calls"] == after
         if fire:
             path = os.readlink(f"/proc/self/fd/{fd}")
             state["fired"] = path
@@ -206,30 +162,23 @@ def preadv_fault(kind: str, after: int):
         os.preadv = real
 
 
-def faulty_loader(fail_rank: int, kind: str, after: int) -> type:
-    """A RankLoader whose rank `fail_rank` loads under `preadv_fault(kind, after)`, until disarmed."""
+def faulty_loader(fail_rank: int | None = None, kind: str | None = None, after: int = 0) -> type:
+    """A RankLoader whose rank `fail_rank` loads under `preadv_fault(kind, after)` until re-armed;
+    the other ranks (all of them by default) load without a fault."""
 
     class FaultyLoader(RankLoader):
         def __init__(self, rank: int, device: str = "auto"):
             super().__init__(rank, device)
-            self._fault = (kind, after) if rank == fail_rank else None
+            self._fault = (kind, after) if rank == fail_rank else (None, 0)
 
-        def arm(self, fault_kind: str | None, fault_after: int = 2) -> None:
-            self._fault = (fault_kind, fault_after) if fault_kind else None
+        def arm(self, fault_kind: str | None, fault_after: int = 0) -> None:
+            self._fault = (fault_kind, fault_after)
 
         def load(self, plan, options):
-            if self._fault is None:
-                return super().load(plan, options)
             with preadv_fault(*self._fault):
                 return super().load(plan, options)
 
     return FaultyLoader
-
-
-def where_am_i(rank: int, shards: dict) -> dict:
-    import ray
-
-    return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
 @pytest.fixture
@@ -310,8 +259,9 @@ def test_file_fails_during_reading(llama_copy, kind, stage):
     """EIO or a truncation half-way through the reads: ReadError naming the file and a tensor, no result."""
     plan, rp, fi = _plan_and_file(llama_copy)
     options = ReaderOptions(threads=2, chunk_bytes=4096)
-    with preadv_fault("count", after=0) as counted:
+    with preadv_fault(None) as counted:
         read_rank(rp, "cpu", options=options, stage=stage)
+    assert counted["calls"] >= 2, counted
     progress = []
     with preadv_fault(kind, after=counted["calls"] // 2) as state, pytest.raises(ReadError) as info:
         read_rank(rp, "cpu", options=options, on_progress=progress.append, stage=stage)
@@ -371,21 +321,14 @@ def test_file_replaced_by_rename_while_reading_keeps_the_planned_bytes(llama_cop
 # --- 1. a rank's process killed mid-load ------------------------------------------------------------
 
 
-def _kill_when_blocked(marker_dir: str, rank: int, out: dict, stop: threading.Event, timeout_s=180):
-    def go():
-        deadline = time.monotonic() + timeout_s
-        while not stop.is_set() and time.monotonic() < deadline:
-            info = read_marker(marker_dir, rank)
-            if info:
-                out.update(info)
-                out["killed_at"] = time.monotonic()
-                os.kill(info["pid"], signal.SIGKILL)
-                return
-            time.sleep(0.05)
+def _kill_when_blocked(marker_dir: str, rank: int, out: dict, stop: threading.Event) -> threading.Thread:
+    """Once rank `rank` blocks mid-read (its marker exists), SIGKILL its process; `out` gets the marker."""
 
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
+    def kill(info: dict) -> None:
+        out.update(info, killed_at=time.monotonic())
+        os.kill(info["pid"], signal.SIGKILL)
+
+    return when(lambda: read_marker(marker_dir, rank), kill, stop)
 
 
 @pytest.mark.ray
@@ -396,15 +339,15 @@ def test_rank_killed_mid_load_is_restarted_and_reloads(llama_dir, ray_local, tmp
     before = live()
     killer = _kill_when_blocked(str(tmp_path), victim, killed, stop)
     try:
-        loaded = raylazy.load(llama_dir, 2, device="cpu", progress=False, timeout_s=180,
-                              actor_cls=blocking_loader(str(tmp_path), {victim}))
+        loaded = load_with(blocking_loader(str(tmp_path), {victim}), llama_dir, 2, device="cpu", progress=False,
+                           timeout_s=180)
     finally:
         stop.set()
         killer.join()
     try:
         assert killed.get("pid"), "the victim never blocked mid-load"
         assert 0 < killed["progress"] < loaded.plan.ranks[victim].stats.bytes_needed
-        check_all(loaded, llama_dir)
+        check_loaded(loaded, llama_dir)
         inside = ray.get(loaded.run(where_am_i), timeout=60)
         assert inside[victim]["pid"] != killed["pid"], "the victim's shards should come from its restarted process"
         # After the load, a second death loses what the rank held: the restarted actor says so
@@ -427,8 +370,8 @@ def test_rank_killed_without_retries_fails_fast_and_releases(llama_dir, ray_loca
     t0 = time.monotonic()
     try:
         with pytest.raises(RankFailedError) as info:
-            raylazy.load(llama_dir, 2, device="cpu", progress=False, max_retries=0, timeout_s=timeout_s,
-                         actor_cls=blocking_loader(str(tmp_path), {victim}))
+            load_with(blocking_loader(str(tmp_path), {victim}), llama_dir, 2, device="cpu", progress=False,
+                      max_retries=0, timeout_s=timeout_s)
     finally:
         stop.set()
         killer.join()
@@ -449,7 +392,7 @@ def test_read_error_in_a_rank_fails_the_load_and_releases(llama_copy, ray_local)
     plan, rp, fi = _plan_and_file(llama_copy, rank=1)
     before = live()
     with pytest.raises(RankFailedError) as info:
-        raylazy.load(llama_copy, 2, device="cpu", progress=False, actor_cls=faulty_loader(1, "eio", 3))
+        load_with(faulty_loader(1, "eio", 3), llama_copy, 2, device="cpu", progress=False)
     assert list(info.value.failures) == [1]
     cause = info.value.failures[1]
     assert isinstance(cause, ReadError), repr(cause)
@@ -464,7 +407,7 @@ def test_failed_reload_leaves_the_actor_without_shards(llama_copy, ray_local):
     import ray
 
     plan, rp, fi = _plan_and_file(llama_copy, tp=2, rank=0)
-    cls = ray.remote(faulty_loader(-1, "eio", 0))
+    cls = ray.remote(faulty_loader())
     actor = cls.options(num_cpus=1, max_concurrency=4).remote(0, "cpu")
     try:
         opts = ReaderOptions()
@@ -568,7 +511,7 @@ def test_rank_peak_rss_stays_within_shards_plus_staging(big_llama, ray_local):
 
     tp = 4
     before = live()
-    loaded = raylazy.load(big_llama, tp, device="cpu", progress=False, timeout_s=300, actor_cls=MemoryLoader)
+    loaded = load_with(MemoryLoader, big_llama, tp, device="cpu", progress=False, timeout_s=300)
     try:
         chunk = 8 << 20
         staged_opts = ReaderOptions(chunk_bytes=chunk, queue_size=1)
@@ -605,7 +548,7 @@ def test_concurrent_loads_complete_or_wait_and_release_independently(llama_dir, 
     """Three loads at once on 8 CPUs: llama tp=2 (2 CPUs), qwen2 tp=2 (2 CPUs), llama again tp=2 with
     2.5 CPUs a rank (5 CPUs): 9 CPUs asked, so one waits until another is released."""
     import ray
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+    from concurrent.futures import ThreadPoolExecutor
 
     before = live()
     specs = {"llama": (llama_dir, 1.0), "qwen2": (qwen2_dir, 1.0), "llama-big": (llama_dir, 2.5)}
@@ -616,30 +559,34 @@ def test_concurrent_loads_complete_or_wait_and_release_independently(llama_dir, 
     futures = {pool.submit(raylazy.load, d, 2, device="cpu", progress=False, cpus_per_rank=cpus,
                            placement_timeout_s=240, timeout_s=240): name for name, (d, cpus) in specs.items()}
     loaded: dict = {}
+
+    def finished():
+        done = [f for f in futures if f.done()]
+        return done if len(done) >= 2 else None
+
     try:
-        done, pending = wait(futures, timeout=240, return_when=FIRST_COMPLETED)
-        assert done and pending, "with 9 CPUs asked of 8, one load must wait"
-        assert len(done) <= 2
-        # a placement group is waiting for resources meanwhile
-        waiting = [g for g, info in ray.util.placement_group_table().items()
-                   if (info.get("name") or "").startswith("raylazy-") and info["state"] == "PENDING"]
+        # any two fit (2 + 2 or 2 + 5 CPUs), the three do not: two finish while the third waits, its
+        # placement group pending
+        done = wait_for(finished, 240, "two of the loads")
+        waiting = set(futures) - set(done)
+        assert len(waiting) == 1, "with 9 CPUs asked of 8, one load must wait"
+        (third,) = waiting
+        wait_for(lambda: {g for g, state in raylazy_groups().items() if state == "PENDING"} - before[1], 30,
+                 "the third load's placement group to wait for CPUs")
+        assert not third.done(), "with 9 CPUs asked of 8, one load must wait"
         for f in done:
             loaded[futures[f]] = f.result()
         first = next(iter(loaded))
-        check_all(loaded[first], specs[first][0])
-        assert waiting or len(done) == 2
+        check_loaded(loaded[first], specs[first][0])
         loaded[first].release()  # frees enough for the waiting load
-        done, pending = wait(futures, timeout=240)
-        assert not pending
-        for f in futures:
-            loaded.setdefault(futures[f], f.result())
+        loaded[futures[third]] = third.result(timeout=240)
         others = [n for n in loaded if n != first]
         for n in others:
-            check_all(loaded[n], specs[n][0])
+            check_loaded(loaded[n], specs[n][0])
         # releasing one does not disturb the other: its actors still hold their shards
         loaded[others[0]].release()
         keep = loaded[others[1]]
-        inside = ray.get(keep.run(lambda rank, shards: {k: raw(v) for k, v in shards.items()}), timeout=60)
+        inside = ray.get(keep.run(lambda rank, shards: {k: as_bytes(v) for k, v in shards.items()}), timeout=60)
         for rp, got in zip(keep.plan.ranks, inside):
             check_rank(rp, {t.name: _typed(got[t.name], t) for t in rp.tensors}, specs[others[1]][0])
     finally:
@@ -661,20 +608,14 @@ def _typed(data: bytes, shard) -> torch.Tensor:
 # --- 7. driver interrupted ------------------------------------------------------------------------------
 
 
-def _interrupt_when(predicate, stop: threading.Event, fired: dict, timeout_s: float = 180):
-    def go():
-        deadline = time.monotonic() + timeout_s
-        while not stop.is_set() and time.monotonic() < deadline:
-            if predicate():
-                if not stop.is_set():
-                    fired["at"] = time.monotonic()
-                    _thread.interrupt_main()
-                return
-            time.sleep(0.05)
+def _interrupt_when(predicate, stop: threading.Event, fired: dict) -> threading.Thread:
+    """Once predicate() holds, raise KeyboardInterrupt in the main thread; fired["at"] says when."""
 
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
+    def interrupt(_) -> None:
+        fired["at"] = time.monotonic()
+        _thread.interrupt_main()
+
+    return when(predicate, interrupt, stop)
 
 
 @pytest.mark.ray
@@ -683,7 +624,7 @@ def test_keyboard_interrupt_while_ranks_read_releases_everything(llama_dir, ray_
     t = _interrupt_when(lambda: read_marker(str(tmp_path), 0), stop, fired)
     try:
         with pytest.raises(KeyboardInterrupt):
-            raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=blocking_loader(str(tmp_path), {0}))
+            load_with(blocking_loader(str(tmp_path), {0}), llama_dir, 2, device="cpu", progress=False)
     finally:
         stop.set()
         t.join()
@@ -698,16 +639,11 @@ def test_keyboard_interrupt_while_waiting_for_placement_releases_everything(llam
     """The group can never be placed (100 CPUs a rank). "creating": interrupt as soon as the group
     exists, which lands while the actors are being created; "placing": once both actors exist, in
     the wait for placement."""
-    import ray
-    import ray._private.state as state
-
     def ready():
-        groups = [g for g, i in ray.util.placement_group_table().items()
-                  if (i.get("name") or "").startswith("raylazy-") and i["state"] == "PENDING"]
-        if phase == "creating" or not groups:
-            return bool(groups)
-        return sum(1 for a in state.actors().values()
-                   if (a.get("Name") or "").startswith("raylazy-") and a["State"] != "DEAD") == 2
+        pending = "PENDING" in raylazy_groups().values()
+        if phase == "creating" or not pending:
+            return pending
+        return sum(1 for state in raylazy_actors().values() if state != "DEAD") == 2
 
     before, stop, fired = live(), threading.Event(), {}
     t = _interrupt_when(ready, stop, fired)
@@ -760,9 +696,9 @@ def _node_loss_load(cluster, model_dir: str, work: str, tp: int, timeout_s: floa
 
     def load():
         try:
-            out["loaded"] = raylazy.load(model_dir, tp, use_gpu=True, device="cpu", progress=False,
-                                         timeout_s=timeout_s, placement_timeout_s=120,
-                                         actor_cls=blocking_loader(marker_dir, set(range(tp)), release_file=release))
+            out["loaded"] = load_with(blocking_loader(marker_dir, set(range(tp)), release_file=release), model_dir, tp,
+                                      use_gpu=True, device="cpu", progress=False, timeout_s=timeout_s,
+                                      placement_timeout_s=120)
         except BaseException as e:  # noqa: BLE001
             out["error"] = e
         out["end"] = time.monotonic()
@@ -786,7 +722,7 @@ def _node_loss_load(cluster, model_dir: str, work: str, tp: int, timeout_s: floa
     loaded = out.get("loaded")
     if loaded is not None:
         try:
-            check_all(loaded, model_dir)
+            check_loaded(loaded, model_dir)
             report["shards_ok"] = True
             inside = ray.get(loaded.run(where_am_i), timeout=120)
             report["relocated"] = all(inside[r]["node_id"] != lost and inside[r]["pid"] != markers[r]["pid"]
