@@ -157,6 +157,14 @@ class ReadError(RaylazyError):
     """Reading planned bytes failed (I/O error, permission, file truncated)."""
 
 
+class UnsupportedStorageError(RaylazyError):
+    """A URI whose scheme no registered storage serves (see `raylazy.storage.register_storage`)."""
+
+
+class BufferMismatchError(RaylazyError):
+    """A caller-supplied destination tensor does not match its shard (shape, dtype, device, layout)."""
+
+
 class PlacementError(RaylazyError):
     """The cluster cannot place the rank actors (not enough GPUs, timed out)."""
 

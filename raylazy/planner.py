@@ -54,7 +54,7 @@ def make_plan(
                 raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                               f"({placement.describe()}, rule {chosen[t.name].pattern!r}): {e}") from None
             shards.append(_shard(fi, t, placement.describe(), slicing, max_gap, ckpt.files[fi].path))
-    files = tuple(FileRef(path=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
+    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
     return Plan(
         root=ckpt.root,
         model_type=cfg.model_type,

@@ -73,7 +73,7 @@ def test_shards_match_ranged_and_safetensors(model_dir, references, tp, queue_si
         assert stats.extra["queue_size"] == queue_size and stats.extra["nogds"] is True
         depth = min(len(used), 1 if queue_size == -1 else queue_size + 2)
         assert stats.extra["batches_in_flight"] == depth
-        data = sorted((f.size - 8 - read_header(f.path).header_len for f in (plan.files[i] for i in used)),
+        data = sorted((f.size - 8 - read_header(f.uri).header_len for f in (plan.files[i] for i in used)),
                       reverse=True)
         assert stats.staging_bytes == sum(data[:depth]) > 0
         assert stats.seconds > 0
@@ -168,7 +168,7 @@ def test_filter_keeps_unneeded_tensors_unread(llama_dir, monkeypatch):
     full = reference_tensors(llama_dir)
     assert_same_shards(shards, {t.name: reference_shard(full[t.name], t) for t in rp.tensors})
     assert stats.bytes_read == sum(full[n].nbytes for n in wanted) < sum(t.nbytes for t in full.values())
-    used = {plan.files[r.file].path for t in rp.tensors for r in t.reads}
+    used = {plan.files[r.file].uri for t in rp.tensors for r in t.reads}
     assert set(runs) == used  # files with none of the rank's tensors are not even opened
     for path in used:  # no byte of an unneeded tensor is read unless it sits inside a <=4 KiB merge gap
         for info in read_header(path).tensors:
@@ -195,7 +195,7 @@ def test_changed_file_is_refused_before_loading(llama_dir, tmp_path):
 
     d = shutil.copytree(llama_dir, tmp_path / "m")
     plan = make_plan(d, 2)
-    path = plan.files[0].path
+    path = plan.files[0].uri
     with open(path, "r+b") as f:  # same size, different header: "{" becomes " "
         f.seek(8)
         assert f.read(1) == b"{"

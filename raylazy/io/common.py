@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -12,6 +11,7 @@ from ..dtypes import itemsize, torch_dtype
 from ..errors import FileChangedError, ReadError
 from ..header import MAX_HEADER_BYTES
 from ..plans import FileRef, TensorShard
+from ..storage import NotAFileError, Source, open_source
 
 Progress = Callable[[int], None]
 
@@ -50,43 +50,35 @@ class Counter:
             self._on_progress(n)
 
 
-def open_verified(ref: FileRef) -> int:
-    """Open a planned file read-only after checking its size and header digest match the plan."""
+def open_verified(ref: FileRef) -> Source:
+    """Open a planned file after checking its size and header digest match the plan; read-ahead is off
+    (the reader hints what it needs). The caller closes the returned source."""
     try:
-        fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place must not block the open
+        source = open_source(ref.uri)
+    except NotAFileError:
+        raise FileChangedError(f"{ref.uri}: is no longer a regular file (a directory, FIFO or device); it was "
+                               "replaced since planning: plan again") from None
     except OSError as e:
-        raise ReadError(f"{ref.path}: cannot open planned checkpoint file: {e.strerror}") from None
+        raise ReadError(f"{ref.uri}: cannot open planned checkpoint file: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
-        if size != ref.size:
+        if source.size != ref.size:
             raise FileChangedError(
-                f"{ref.path}: file is {size} bytes but was {ref.size} when planned; it was replaced or truncated "
-                "since planning: plan again"
+                f"{ref.uri}: file is {source.size} bytes but was {ref.size} when planned; it was replaced or "
+                "truncated since planning: plan again"
             )
-        _no_readahead(fd)
-        prefix = os.pread(fd, 8, 0)
+        source.random_access()
+        prefix = source.read(0, 8)
         n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        head = prefix + os.pread(fd, n, 8) if 0 <= n <= MAX_HEADER_BYTES else prefix
+        head = prefix + source.read(8, n) if 0 <= n <= MAX_HEADER_BYTES else prefix
         if hashlib.sha256(head).hexdigest() != ref.digest:
-            raise FileChangedError(f"{ref.path}: header differs from the one planned; the file was replaced: plan again")
+            raise FileChangedError(f"{ref.uri}: header differs from the one planned; the file was replaced: plan again")
     except OSError as e:
-        os.close(fd)
-        raise ReadError(f"{ref.path}: cannot read header: {e.strerror}") from None
+        source.close()
+        raise ReadError(f"{ref.uri}: cannot read header: {e.strerror}") from None
     except BaseException:
-        os.close(fd)
+        source.close()
         raise
-    return fd
-
-
-def _no_readahead(fd: int) -> None:
-    """POSIX_FADV_RANDOM before the first read: a plain read of the header would read ahead and mark a
-    page for more read-ahead, and a later reader that reaches the marked page (even one with
-    POSIX_FADV_RANDOM set) reads ahead from there, each window marking the next: a rank reading rows
-    with gaps then pulls the whole file from storage."""
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    except OSError:  # advice only (e.g. not a regular file: the checks around report that)
-        pass
+    return source
 
 
 def typed(flat, shard: TensorShard):

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import time
 from math import prod
@@ -57,6 +56,7 @@ from ..dtypes import DTYPE_BITS
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
 from ..plans import RankPlan, TensorShard
 from ..options import ReaderOptions
+from ..storage import local_path
 from .common import Counter, Progress, ReadStats, open_verified, typed
 
 log = logging.getLogger("raylazy")
@@ -102,6 +102,10 @@ def read_rank_fastsafetensors(
             "(F4 only with an even last dim): use backend='ranged'"
         )
     used = sorted({r.file for t in plan.tensors for r in t.reads})
+    paths = [local_path(plan.files[i].uri) for i in used]
+    if None in paths:
+        raise ConfigurationError(f"backend='fastsafetensors' reads local files only, not "
+                                 f"{plan.files[used[paths.index(None)]].uri}: use backend='ranged'")
     data_bytes = [_verified_data_bytes(plan, i) for i in used]
     gds = _want_gds(options.nogds, dev) and not _gds_broken
     reported = [0]
@@ -112,7 +116,7 @@ def read_rank_fastsafetensors(
             on_progress(n)
 
     try:
-        shards, stats = _load(torch, plan, dev, used, nogds=not gds, queue_size=options.queue_size,
+        shards, stats = _load(torch, plan, dev, paths, nogds=not gds, queue_size=options.queue_size,
                               on_progress=progress)
     except Exception as e:
         if not (gds and _is_gds_unavailable(e)):
@@ -123,7 +127,7 @@ def read_rank_fastsafetensors(
         if reported[0] and on_progress is not None:
             on_progress(-reported[0])  # the failed attempt's shards were discarded
         reported[0] = 0
-        shards, stats = _load(torch, plan, dev, used, nogds=True, queue_size=options.queue_size,
+        shards, stats = _load(torch, plan, dev, paths, nogds=True, queue_size=options.queue_size,
                               on_progress=progress)
         stats.extra["gds_fallback"] = f"{type(e).__name__}: {e}"
     depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
@@ -160,15 +164,12 @@ def _is_gds_unavailable(exc: BaseException) -> bool:
 def _verified_data_bytes(plan: RankPlan, index: int) -> int:
     """Check the file against the plan (size, header digest); returns its data section's size."""
     ref = plan.files[index]
-    fd = open_verified(ref)
-    try:
-        header = int.from_bytes(os.pread(fd, 8, 0), "little")
-    finally:
-        os.close(fd)
+    with open_verified(ref) as source:
+        header = int.from_bytes(source.read(0, 8), "little")
     return ref.size - 8 - header
 
 
-def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_size: int, on_progress):
+def _load(torch, plan: RankPlan, dev, paths: list[str], *, nogds: bool, queue_size: int, on_progress):
     from fastsafetensors import ParallelLoader, SingleGroup
 
     stats = ReadStats(backend="fastsafetensors", device=str(dev))
@@ -182,7 +183,7 @@ def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_siz
     if by_name:
         loader = ParallelLoader(
             SingleGroup(),
-            [plan.files[i].path for i in used],
+            paths,
             device=str(dev),
             queue_size=queue_size,
             nogds=nogds,
@@ -213,7 +214,7 @@ def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_siz
                         f"e.g. {missing[:3]}: the checkpoint changed since planning? plan again")
     stats.bytes_needed = counter.value
     stats.bytes_read = loaded
-    stats.requests = len(used)
+    stats.requests = len(paths)
     stats.extra.update(requests_unit="files", tensors_read=len(by_name), nogds=nogds)
     return {t.name: out[t.name] for t in plan.tensors}, stats
 
