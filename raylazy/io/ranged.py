@@ -1,7 +1,7 @@
 """Execute one rank's plan with positional reads straight into its shard tensors.
 
-Each shard is cut into windows of whole destination rows (at most `chunk_bytes`,
-or one row if a row is larger). A thread pool reads windows concurrently through
+The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole
+destination rows (at most `chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through
 the files' `Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place; a window's rows are asked of storage
 all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
 On the CPU a window is a slice of the shard itself, so nothing is staged. On a GPU a window is read into one of
@@ -15,31 +15,16 @@ import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 from ..errors import FileChangedError, ReadError
 from ..plans import RankPlan, Read, TensorShard
+from ..schedule import RankSchedule, Window, rank_schedule
 from ..options import ReaderOptions
 from ..storage import Source
 from .common import Counter, Progress, ReadStats, open_verified, typed
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-@dataclass(frozen=True)
-class _Job:
-    """Fill bytes [start, end) of one shard: `reads` are (Read, first row, rows) clipped to the window."""
-
-    tensor: int
-    start: int
-    end: int
-    reads: tuple[tuple[Read, int, int], ...]
-    padded: bool
-
-    @property
-    def bytes_needed(self) -> int:
-        return sum(r.length * n if r.count > 1 else n for r, _, n in self.reads)
 
 
 def read_rank(
@@ -49,9 +34,11 @@ def read_rank(
     options: ReaderOptions = ReaderOptions(),
     on_progress: Progress | None = None,
     stage: bool | None = None,
+    schedule: RankSchedule | None = None,
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards onto `device`; returns ({name: tensor}, stats). Raises on any failure.
 
+    `schedule` is the plan's windows (default: `rank_schedule(plan, options.chunk_bytes)`).
     Staging keeps options.queue_size + 2 windows of host memory (-1: one, fully serial).
     `stage` forces (True) or avoids (False) the staging-buffer pipeline; by default
     only non-CPU devices stage.
@@ -73,7 +60,8 @@ def read_rank(
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                 raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})") from None
         flats = [_alloc(torch, t, dev) for t in plan.tensors]
-        jobs = [job for i, t in enumerate(plan.tensors) for job in _windows(i, t, options.chunk_bytes)]
+        schedule = schedule or rank_schedule(plan, options.chunk_bytes)
+        jobs = schedule.windows
         reader = _Reader(plan, sources, counter)
         with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="raylazy-read") as pool:
             if not (dev.type != "cpu" if stage is None else stage):
@@ -86,7 +74,7 @@ def read_rank(
                         f.cancel()
                     raise
             else:
-                stats.staging_bytes = _staged(torch, pool, reader, jobs, flats, dev, options.queue_size + 2)
+                stats.staging_bytes = _staged(torch, pool, reader, schedule, flats, dev, options.queue_size + 2)
     finally:
         for source in sources.values():
             source.close()
@@ -107,28 +95,6 @@ def _as_view(flat, start: int, end: int) -> memoryview:
     return memoryview(flat.numpy()).cast("B")[start:end]
 
 
-def _windows(index: int, t: TensorShard, chunk: int):
-    """Split a shard into jobs of whole destination rows, at most `chunk` bytes unless one row is larger."""
-    rows = {r.dst_stride for r in t.reads if r.count > 1}
-    row = rows.pop() if rows else 1
-    width = max(row, chunk // row * row)
-    padded = t.bytes_needed < t.nbytes
-    for start in range(0, t.nbytes, width):
-        end = min(start + width, t.nbytes)
-        parts = []
-        for r in t.reads:
-            if r.count > 1:  # rows i with dst_offset + i*dst_stride in [start, end)
-                first = max(0, -(-(start - r.dst_offset) // r.dst_stride))
-                last = min(r.count, -(-(end - r.dst_offset) // r.dst_stride))
-                if last > first:
-                    parts.append((r, first, last - first))
-            else:  # a contiguous range clipped to the window: (read, byte offset, bytes)
-                lo, hi = max(start, r.dst_offset), min(end, r.dst_offset + r.length)
-                if hi > lo:
-                    parts.append((r, lo - r.dst_offset, hi - lo))
-        yield _Job(index, start, end, tuple(parts), padded)
-
-
 class _Reader:
     """Runs jobs: positional reads from the planned files into a window's buffer."""
 
@@ -136,12 +102,12 @@ class _Reader:
         self.plan, self.sources, self.counter = plan, sources, counter
         self.gap = bytearray(max([r.stride - r.length for t in plan.tensors for r in t.reads if r.gather] or [0]))
 
-    def run(self, job: _Job, buf: memoryview) -> None:
+    def run(self, job: Window, buf: memoryview) -> None:
         name = self.plan.tensors[job.tensor].name
-        for r, first, n in job.reads:  # whole ranges asked for at once (a read alone waits on each read-ahead window)
+        for r, first, n in job.parts:  # whole ranges asked for at once (a read alone waits on each read-ahead window)
             if r.count == 1:
                 self.sources[r.file].will_need(r.offset + first, r.offset + first + n)
-        for r, first, n in job.reads:
+        for r, first, n in job.parts:
             source = self.sources[r.file]
             try:
                 if r.count == 1:
@@ -212,9 +178,9 @@ def _read_rows(source: Source, r: Read, first: int, n: int, buf: memoryview, bas
             source.readinto(off, [view])
 
 
-def _staged(torch, pool, reader: _Reader, jobs, flats, dev, depth: int) -> int:
+def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, depth: int) -> int:
     """GPU path: read windows into `depth` pinned buffers, copy each to the device while others read."""
-    size = max((j.end - j.start for j in jobs), default=0)
+    size = schedule.window_bytes
     depth = max(1, depth)
     free: queue.Queue = queue.Queue()
     for _ in range(depth):
@@ -231,7 +197,7 @@ def _staged(torch, pool, reader: _Reader, jobs, flats, dev, depth: int) -> int:
         reader.run(job, _as_view(buf, 0, job.end - job.start))
         return job, buf
 
-    pending = {pool.submit(fill, j) for j in jobs}
+    pending = {pool.submit(fill, w) for w in schedule.windows}
     try:
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
