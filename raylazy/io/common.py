@@ -1,16 +1,17 @@
-"""What every reader shares: checking files against the plan, typing shard bytes, and statistics."""
+"""What every reader shares: opening files checked against the plan, shard buffers (the caller's or new), statistics."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from math import prod
+from typing import Callable, Mapping
 
 from ..dtypes import itemsize, torch_dtype
-from ..errors import FileChangedError, ReadError
+from ..errors import BufferMismatchError, FileChangedError, ReadError
 from ..header import MAX_HEADER_BYTES
-from ..plans import FileRef, TensorShard
+from ..plans import FileRef, RankPlan, TensorShard
 from ..storage import NotAFileError, Source, open_source
 
 Progress = Callable[[int], None]
@@ -81,12 +82,59 @@ def open_verified(ref: FileRef) -> Source:
     return source
 
 
+def shard_layout(shard: TensorShard) -> tuple[object, tuple[int, ...]]:
+    """The torch dtype and shape a shard is returned as (sub-byte dtypes: uint8 rows, the last dim in bytes)."""
+    if itemsize(shard.dtype) is None:
+        rows = prod(shard.shape[:-1])
+        shape = tuple(shard.shape[:-1]) + (shard.nbytes // rows,) if rows and shard.nbytes % rows == 0 else (shard.nbytes,)
+        return torch_dtype(shard.dtype), shape
+    return torch_dtype(shard.dtype), tuple(shard.shape)
+
+
 def typed(flat, shard: TensorShard):
     """View a shard's flat uint8 buffer with its dtype and shape (sub-byte dtypes stay uint8 rows)."""
-    if itemsize(shard.dtype) is None:
-        rows = 1
-        for d in shard.shape[:-1]:
-            rows *= d
-        return flat.reshape(tuple(shard.shape[:-1]) + (-1,)) if rows and flat.numel() % rows == 0 else flat
-    return flat.view(torch_dtype(shard.dtype)).reshape(shard.shape)
+    dtype, shape = shard_layout(shard)
+    return flat.view(dtype).reshape(shape)
 
+
+def shard_buffers(torch, plan: RankPlan, dev, out: Mapping | None) -> list[tuple[object, object]]:
+    """Per shard of `plan`: (its bytes as a flat uint8 tensor to fill, the tensor to return).
+
+    A shard named in `out` is filled in place: the caller's tensor must have the shard's
+    dtype and shape (`shard_layout`), be contiguous and on `dev`, else BufferMismatchError
+    before anything is read. Other shards are allocated on `dev`. Padding (bytes no read
+    covers) is zeroed either way.
+    """
+    out = dict(out or {})
+    unknown = sorted(set(out) - {t.name for t in plan.tensors})
+    if unknown:
+        raise BufferMismatchError(f"out names {len(unknown)} tensor(s) rank {plan.rank}'s plan does not hold, "
+                                  f"e.g. {unknown[:3]}: pass only the plan's tensors")
+    for t in plan.tensors:
+        if t.name in out:
+            _check_buffer(t, out[t.name], dev)
+    buffers = []
+    for t in plan.tensors:
+        padded = t.bytes_needed < t.nbytes
+        given = out.get(t.name)
+        if given is None:
+            flat = (torch.zeros if padded else torch.empty)(t.nbytes, dtype=torch.uint8, device=dev)
+            buffers.append((flat, typed(flat, t)))
+            continue
+        flat = given.detach().reshape(-1).view(torch.uint8)  # detached: a parameter may require grad
+        if padded:
+            flat.zero_()
+        buffers.append((flat, given))
+    return buffers
+
+
+def _check_buffer(shard: TensorShard, given, dev) -> None:
+    dtype, shape = shard_layout(shard)
+    ok_device = given.device.type == dev.type and (dev.index is None or given.device.index == dev.index)
+    if given.dtype != dtype or tuple(given.shape) != shape or not ok_device or not given.is_contiguous():
+        state = "contiguous" if given.is_contiguous() else "not contiguous"
+        raise BufferMismatchError(
+            f"out[{shard.name!r}]: the shard ({shard.dtype} {list(shard.shape)}) needs a contiguous {dtype} "
+            f"tensor of shape {list(shape)} on {dev}; given {given.dtype} {list(given.shape)}, {state}, on "
+            f"{given.device}"
+        )

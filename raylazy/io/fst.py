@@ -2,9 +2,10 @@
 
 fastsafetensors reads whole tensors, so this backend reads every tensor the rank
 needs in full (only those: a `tensor_filter` keeps the others unread) and builds
-each shard from it exactly as the plan says: `zeros(shard.shape)`, then each piece
-`(src, dst, length)` along `shard.dim` copied in (all of it for a replicated
-tensor). The shard is a new tensor; the full tensor is a borrowed view of the
+each shard from it exactly as the plan says: each piece `(src, dst, length)` along
+`shard.dim` copied into the shard's buffer (all of it for a replicated tensor; padding
+is zeros). The shard is the caller's tensor (`out`) or a new one, never a view of the
+loader's buffers; the full tensor is a borrowed view of the
 loader's buffer and is dropped at once, so a rank holds its shards plus the
 loader's buffers, never a second full copy. Results are bit-identical to the
 ranged backend (sub-byte dtypes come back as uint8 rows, as `typed` says).
@@ -50,14 +51,14 @@ import logging
 import re
 import time
 from math import prod
-from typing import Optional
+from typing import Mapping, Optional
 
 from ..dtypes import DTYPE_BITS
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
 from ..plans import RankPlan, TensorShard
 from ..options import ReaderOptions
 from ..storage import local_path
-from .common import Counter, Progress, ReadStats, open_verified, typed
+from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
 
 log = logging.getLogger("raylazy")
 
@@ -86,8 +87,11 @@ def read_rank_fastsafetensors(
     *,
     options: ReaderOptions,
     on_progress: Progress | None = None,
+    out: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
-    """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats)."""
+    """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats).
+
+    `out` ({name: tensor}) gives shards to fill in place, as for `raylazy.io.ranged.read_rank`."""
     global _gds_broken
     import torch
 
@@ -106,6 +110,7 @@ def read_rank_fastsafetensors(
     if None in paths:
         raise ConfigurationError(f"backend='fastsafetensors' reads local files only, not "
                                  f"{plan.files[used[paths.index(None)]].uri}: use backend='ranged'")
+    buffers = shard_buffers(torch, plan, dev, out)
     data_bytes = [_verified_data_bytes(plan, i) for i in used]
     gds = _want_gds(options.nogds, dev) and not _gds_broken
     reported = [0]
@@ -116,8 +121,8 @@ def read_rank_fastsafetensors(
             on_progress(n)
 
     try:
-        shards, stats = _load(torch, plan, dev, paths, nogds=not gds, queue_size=options.queue_size,
-                              on_progress=progress)
+        stats = _load(torch, plan, buffers, dev, paths, nogds=not gds, queue_size=options.queue_size,
+                      on_progress=progress)
     except Exception as e:
         if not (gds and _is_gds_unavailable(e)):
             raise
@@ -127,14 +132,14 @@ def read_rank_fastsafetensors(
         if reported[0] and on_progress is not None:
             on_progress(-reported[0])  # the failed attempt's shards were discarded
         reported[0] = 0
-        shards, stats = _load(torch, plan, dev, paths, nogds=True, queue_size=options.queue_size,
-                              on_progress=progress)
+        stats = _load(torch, plan, buffers, dev, paths, nogds=True, queue_size=options.queue_size,
+                      on_progress=progress)
         stats.extra["gds_fallback"] = f"{type(e).__name__}: {e}"
     depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
     stats.staging_bytes = sum(sorted(data_bytes, reverse=True)[:depth])
     stats.extra.update(queue_size=options.queue_size, batches_in_flight=depth)
     stats.seconds = time.perf_counter() - t0
-    return shards, stats
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
 
 
 def _fst_can_read(t: TensorShard) -> bool:
@@ -169,16 +174,15 @@ def _verified_data_bytes(plan: RankPlan, index: int) -> int:
     return ref.size - 8 - header
 
 
-def _load(torch, plan: RankPlan, dev, paths: list[str], *, nogds: bool, queue_size: int, on_progress):
+def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds: bool, queue_size: int,
+          on_progress) -> ReadStats:
+    """Load the tensors with reads (the others are empty, or all padding) and cut each into its shard's buffer."""
     from fastsafetensors import ParallelLoader, SingleGroup
 
     stats = ReadStats(backend="fastsafetensors", device=str(dev))
     counter = Counter(on_progress)
-    by_name = {t.name: t for t in plan.tensors if t.reads}
-    out: dict = {}
-    for t in plan.tensors:
-        if not t.reads:  # empty, or all padding: nothing to read
-            out[t.name] = typed(torch.zeros(t.nbytes, dtype=torch.uint8, device=dev), t)
+    by_name = {t.name: (t, flat) for t, (flat, _) in zip(plan.tensors, buffers) if t.reads}
+    done: set[str] = set()
     loaded = 0
     if by_name:
         loader = ParallelLoader(
@@ -198,17 +202,18 @@ def _load(torch, plan: RankPlan, dev, paths: list[str], *, nogds: bool, queue_si
             stats.extra["copier"] = getattr(loader.loader, "copier_class", type(None)).__name__
             with contextlib.closing(loader.iterate_weights()) as weights:
                 for name, full in weights:
-                    shard = by_name.get(name)
-                    if shard is None or name in out:
+                    if name not in by_name or name in done:
                         raise ReadError(f"fastsafetensors returned tensor {name!r}, which rank {plan.rank} "
                                         "did not ask for (or returned it twice)")
+                    shard, flat = by_name[name]
                     loaded += full.nbytes
-                    out[name] = _cut(torch, full, shard, dev)
+                    _cut(torch, full, shard, flat)
+                    done.add(name)
                     del full  # the borrowed buffer is released when the loader moves to the next file
                     counter.add(shard.bytes_needed)
         finally:
             loader.close()
-    missing = [n for n in by_name if n not in out]
+    missing = [n for n in by_name if n not in done]
     if missing:
         raise ReadError(f"fastsafetensors did not return {len(missing)} planned tensor(s) of rank {plan.rank}, "
                         f"e.g. {missing[:3]}: the checkpoint changed since planning? plan again")
@@ -216,22 +221,21 @@ def _load(torch, plan: RankPlan, dev, paths: list[str], *, nogds: bool, queue_si
     stats.bytes_read = loaded
     stats.requests = len(paths)
     stats.extra.update(requests_unit="files", tensors_read=len(by_name), nogds=nogds)
-    return {t.name: out[t.name] for t in plan.tensors}, stats
+    return stats
 
 
-def _cut(torch, full, shard: TensorShard, dev):
-    """The rank's shard of `full` as a new tensor: the plan's reads applied to the tensor's bytes."""
+def _cut(torch, full, shard: TensorShard, flat) -> None:
+    """Fill the shard's bytes `flat` from `full`: the plan's reads applied to the tensor's bytes."""
     raw = full.reshape(-1).view(torch.uint8)  # the tensor's bytes as stored (F4: packed pairs)
     if raw.numel() * 8 != prod(shard.full_shape) * DTYPE_BITS[shard.dtype]:
         raise ReadError(f"fastsafetensors returned {raw.numel()} bytes for tensor {shard.name!r}; the plan "
                         f"expects {shard.dtype} {list(shard.full_shape)}: plan again")
-    if raw.device != dev:
-        raw = raw.to(dev)
-    flat = torch.zeros(shard.nbytes, dtype=torch.uint8, device=dev)
+    if raw.device != flat.device:
+        raw = raw.to(flat.device)
     for r in shard.reads:  # the same byte ranges the ranged backend reads from the file
         src = raw.as_strided((r.count, r.length), (r.stride or r.length, 1),
                              raw.storage_offset() + r.offset - shard.offset)
-        flat.as_strided((r.count, r.length), (r.dst_stride or r.length, 1), r.dst_offset).copy_(src)
-    if dev.type == "cuda":  # the loader may reuse its buffer once we move on: finish the copy first
-        torch.cuda.current_stream(dev).synchronize()
-    return typed(flat, shard)
+        flat.as_strided((r.count, r.length), (r.dst_stride or r.length, 1),
+                        flat.storage_offset() + r.dst_offset).copy_(src)
+    if flat.device.type == "cuda":  # the loader may reuse its buffer once we move on: finish the copy first
+        torch.cuda.current_stream(flat.device).synchronize()

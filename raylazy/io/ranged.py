@@ -15,13 +15,14 @@ import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Mapping
 
 from ..errors import FileChangedError, ReadError
-from ..plans import RankPlan, Read, TensorShard
+from ..plans import RankPlan, Read
 from ..schedule import RankSchedule, Window, rank_schedule
 from ..options import ReaderOptions
 from ..storage import Source
-from .common import Counter, Progress, ReadStats, open_verified, typed
+from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -35,8 +36,12 @@ def read_rank(
     on_progress: Progress | None = None,
     stage: bool | None = None,
     schedule: RankSchedule | None = None,
+    out: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards onto `device`; returns ({name: tensor}, stats). Raises on any failure.
+
+    `out` ({name: tensor}) gives shards to fill in place (and return): each must match its
+    shard (see `common.shard_buffers`); the others are allocated.
 
     `schedule` is the plan's windows (default: `rank_schedule(plan, options.chunk_bytes)`).
     Staging keeps options.queue_size + 2 windows of host memory (-1: one, fully serial).
@@ -49,6 +54,8 @@ def read_rank(
     stats = ReadStats(backend="ranged", device=str(dev))
     counter = Counter(on_progress)
     t0 = time.perf_counter()
+    buffers = shard_buffers(torch, plan, dev, out)
+    flats = [flat for flat, _ in buffers]
     used = sorted({r.file for t in plan.tensors for r in t.reads})
     sources: dict[int, Source] = {}
     try:
@@ -59,7 +66,6 @@ def read_rank(
                 names = [t.name for t in plan.tensors if any(r.file == i for r in t.reads)]
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                 raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})") from None
-        flats = [_alloc(torch, t, dev) for t in plan.tensors]
         schedule = schedule or rank_schedule(plan, options.chunk_bytes)
         jobs = schedule.windows
         reader = _Reader(plan, sources, counter)
@@ -82,13 +88,7 @@ def read_rank(
     stats.bytes_read = sum(t.bytes_read for t in plan.tensors)
     stats.requests = sum(t.requests for t in plan.tensors)
     stats.seconds = time.perf_counter() - t0
-    return {t.name: typed(f, t) for t, f in zip(plan.tensors, flats)}, stats
-
-
-def _alloc(torch, t: TensorShard, dev):
-    needed = t.bytes_needed
-    make = torch.zeros if needed < t.nbytes else torch.empty  # zero only shards with padding
-    return make(t.nbytes, dtype=torch.uint8, device=dev)
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
 
 
 def _as_view(flat, start: int, end: int) -> memoryview:
