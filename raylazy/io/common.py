@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from typing import Callable, Mapping
 
@@ -19,17 +19,27 @@ Progress = Callable[[int], None]
 
 @dataclass
 class ReadStats:
-    """What one rank's reader did: bytes its shards needed, bytes it read, requests, time."""
+    """What one rank's reader did; every field means the same for every backend."""
 
     backend: str
     device: str
+    #: Bytes the rank's shards need (padding excluded).
     bytes_needed: int = 0
+    #: Bytes read from storage: the needed ones plus any gaps read to save requests.
     bytes_read: int = 0
+    #: Bytes received from peer ranks instead of storage (cooperative reads; 0 today).
+    bytes_received: int = 0
+    #: Read requests issued to storage: contiguous byte ranges read (however the reader splits them into calls).
     requests: int = 0
     seconds: float = 0.0
-    #: Most host memory the reader holds outside the shards (staging buffers), in bytes.
+    #: Most memory the reader holds outside the shards (staging buffers), in bytes.
     staging_bytes: int = 0
-    extra: dict = field(default_factory=dict)
+    #: Staging buffers alive at once (ranged to a GPU: windows; fastsafetensors: file batches).
+    staging_buffers: int = 0
+    #: GPUDirect Storage was used (fastsafetensors).
+    gds: bool = False
+    #: Why GPUDirect Storage was abandoned during this load ("" if it was not).
+    gds_fallback: str = ""
 
     @property
     def gbps(self) -> float:

@@ -30,9 +30,8 @@ bounce buffers (its `bbuf_size_kb`, 16 MiB by default). On top of all that the
 rank holds its own shards, as every backend does.
 
 Statistics: bytes_needed is what the shards need (reported to `on_progress` tensor
-by tensor), bytes_read the whole tensors loaded (fastsafetensors also reads the
-gaps of up to 4 KiB it merges between them), requests the files loaded
-(`extra["requests_unit"] == "files"`); extra also names the copier that ran.
+by tensor); bytes_read and requests are the byte runs fastsafetensors reads: the
+rank's whole tensors, merged when at most FST_MERGE_GAP bytes apart (gaps included).
 
 GPUDirect Storage: `options.nogds` True never uses it, False uses it on CUDA, and
 None uses it only when the device is CUDA and the rank is alone on its node (the
@@ -58,7 +57,7 @@ from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, Read
 from ..plans import RankPlan, TensorShard
 from ..options import ReaderOptions
 from ..storage import local_path
-from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
+from .common import Progress, ReadStats, open_verified, shard_buffers
 
 log = logging.getLogger("raylazy")
 
@@ -76,6 +75,9 @@ _GDS_MESSAGES = re.compile(
     r"init_gds|cuFile|cufile|is_gds_supported|register_buffer failed|deregister_buffer failed|"
     r"(?:submit|wait)_gds_read failed|libcufile|nvidia-fs|GPUDirect",
 )
+
+#: Tensors at most this many bytes apart are read as one run (fastsafetensors' `select_byte_ranges` default).
+FST_MERGE_GAP = 4096
 
 #: Set once GDS failed in this process: later loads use nogds without trying (and warning) again.
 _gds_broken = False
@@ -120,9 +122,9 @@ def read_rank_fastsafetensors(
         if on_progress is not None:
             on_progress(n)
 
+    fallback = ""
     try:
-        stats = _load(torch, plan, buffers, dev, paths, nogds=not gds, queue_size=options.queue_size,
-                      on_progress=progress)
+        _load(torch, plan, buffers, dev, paths, nogds=not gds, queue_size=options.queue_size, on_progress=progress)
     except Exception as e:
         if not (gds and _is_gds_unavailable(e)):
             raise
@@ -132,13 +134,16 @@ def read_rank_fastsafetensors(
         if reported[0] and on_progress is not None:
             on_progress(-reported[0])  # the failed attempt's shards were discarded
         reported[0] = 0
-        stats = _load(torch, plan, buffers, dev, paths, nogds=True, queue_size=options.queue_size,
-                      on_progress=progress)
-        stats.extra["gds_fallback"] = f"{type(e).__name__}: {e}"
+        gds, fallback = False, f"{type(e).__name__}: {e}"
+        _load(torch, plan, buffers, dev, paths, nogds=True, queue_size=options.queue_size, on_progress=progress)
     depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
-    stats.staging_bytes = sum(sorted(data_bytes, reverse=True)[:depth])
-    stats.extra.update(queue_size=options.queue_size, batches_in_flight=depth)
-    stats.seconds = time.perf_counter() - t0
+    runs = fst_runs(plan)
+    stats = ReadStats(
+        backend="fastsafetensors", device=str(dev), bytes_needed=reported[0],
+        bytes_read=sum(end - start for _, start, end in runs), requests=len(runs),
+        seconds=time.perf_counter() - t0, staging_bytes=sum(sorted(data_bytes, reverse=True)[:depth]),
+        staging_buffers=depth, gds=gds, gds_fallback=fallback,
+    )
     return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
 
 
@@ -174,16 +179,27 @@ def _verified_data_bytes(plan: RankPlan, index: int) -> int:
     return ref.size - 8 - header
 
 
+def fst_runs(plan: RankPlan) -> list[tuple[int, int, int]]:
+    """(file, start, end) of the byte runs fastsafetensors reads for `plan`: each needed tensor whole,
+    runs at most FST_MERGE_GAP bytes apart merged (as its `select_byte_ranges`)."""
+    spans = sorted({(t.file, t.offset, t.offset + prod(t.full_shape) * DTYPE_BITS[t.dtype] // 8)
+                    for t in plan.tensors if t.reads})
+    runs: list[list[int]] = []
+    for f, start, end in spans:
+        if runs and runs[-1][0] == f and start - runs[-1][2] <= FST_MERGE_GAP:
+            runs[-1][2] = max(runs[-1][2], end)
+        else:
+            runs.append([f, start, end])
+    return [tuple(r) for r in runs]
+
+
 def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds: bool, queue_size: int,
-          on_progress) -> ReadStats:
+          on_progress) -> None:
     """Load the tensors with reads (the others are empty, or all padding) and cut each into its shard's buffer."""
     from fastsafetensors import ParallelLoader, SingleGroup
 
-    stats = ReadStats(backend="fastsafetensors", device=str(dev))
-    counter = Counter(on_progress)
     by_name = {t.name: (t, flat) for t, (flat, _) in zip(plan.tensors, buffers) if t.reads}
     done: set[str] = set()
-    loaded = 0
     if by_name:
         loader = ParallelLoader(
             SingleGroup(),
@@ -199,29 +215,22 @@ def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds:
             accumulate_resident=False,
         )
         try:
-            stats.extra["copier"] = getattr(loader.loader, "copier_class", type(None)).__name__
             with contextlib.closing(loader.iterate_weights()) as weights:
                 for name, full in weights:
                     if name not in by_name or name in done:
                         raise ReadError(f"fastsafetensors returned tensor {name!r}, which rank {plan.rank} "
                                         "did not ask for (or returned it twice)")
                     shard, flat = by_name[name]
-                    loaded += full.nbytes
                     _cut(torch, full, shard, flat)
                     done.add(name)
                     del full  # the borrowed buffer is released when the loader moves to the next file
-                    counter.add(shard.bytes_needed)
+                    on_progress(shard.bytes_needed)
         finally:
             loader.close()
     missing = [n for n in by_name if n not in done]
     if missing:
         raise ReadError(f"fastsafetensors did not return {len(missing)} planned tensor(s) of rank {plan.rank}, "
                         f"e.g. {missing[:3]}: the checkpoint changed since planning? plan again")
-    stats.bytes_needed = counter.value
-    stats.bytes_read = loaded
-    stats.requests = len(paths)
-    stats.extra.update(requests_unit="files", tensors_read=len(by_name), nogds=nogds)
-    return stats
 
 
 def _cut(torch, full, shard: TensorShard, flat) -> None:

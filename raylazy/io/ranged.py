@@ -80,7 +80,8 @@ def read_rank(
                         f.cancel()
                     raise
             else:
-                stats.staging_bytes = _staged(torch, pool, reader, schedule, flats, dev, options.queue_size + 2)
+                stats.staging_buffers = _staged(torch, pool, reader, schedule, flats, dev, options.queue_size + 2)
+                stats.staging_bytes = stats.staging_buffers * schedule.window_bytes
     finally:
         for source in sources.values():
             source.close()
@@ -179,7 +180,8 @@ def _read_rows(source: Source, r: Read, first: int, n: int, buf: memoryview, bas
 
 
 def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, depth: int) -> int:
-    """GPU path: read windows into `depth` pinned buffers, copy each to the device while others read."""
+    """GPU path: read windows into `depth` pinned buffers, copy each to the device while others read;
+    returns the number of buffers."""
     size = schedule.window_bytes
     depth = max(1, depth)
     free: queue.Queue = queue.Queue()
@@ -217,7 +219,7 @@ def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, de
         raise
     if stream is not None:
         stream.synchronize()
-    return depth * size
+    return depth
 
 
 def _copy(torch, stream, dst, buf):
