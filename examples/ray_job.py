@@ -72,7 +72,7 @@ def full_tensors(plan: raylazy.Plan, names: list[str]) -> dict:
 
     out = {}
     for f in plan.files:
-        with safe_open(f.path, framework="pt") as fh:
+        with safe_open(f.uri, framework="pt") as fh:
             for name in set(names) & set(fh.keys()):
                 out[name] = fh.get_tensor(name)
     missing = sorted(set(names) - set(out))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -30,6 +29,7 @@ from .errors import (
 )
 from .header import FileHeader, TensorInfo, read_header
 from .hub import resolve_model
+from .storage import NotAFileError, Storage, storage_for
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -95,35 +95,38 @@ class Checkpoint:
 
 
 def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
-    """Discover the safetensors files of `model_dir` (a path, or a model id in the local Hugging Face
+    """Discover the safetensors files of `model_dir` (a path or URI, or a model id in the local Hugging Face
     cache), validate their headers and read config.json."""
-    path = os.path.abspath(resolve_model(model_dir))
-    if os.path.isfile(path):
-        root, names, weight_map = os.path.dirname(path), [os.path.basename(path)], None
-    elif os.path.isdir(path):
+    model = resolve_model(model_dir)
+    storage = storage_for(model)
+    path = storage.absolute(model)
+    if storage.is_file(path):
+        root, name = storage.split(path)
+        names, weight_map = [name], None
+    elif storage.is_dir(path):
         root = path
-        names, weight_map = _discover(root)
+        names, weight_map = _discover(storage, root)
     else:
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    headers = tuple(read_header(os.path.join(root, n)) for n in names)
-    _cross_check(root, names, headers, weight_map)
-    return Checkpoint(root=root, files=headers, config=_read_config(root))
+    headers = tuple(read_header(storage.join(root, n)) for n in names)
+    _cross_check(storage, root, names, headers, weight_map)
+    return Checkpoint(root=root, files=headers, config=_read_config(storage, root))
 
 
-def _discover(root: str) -> tuple[list[str], dict[str, str] | None]:
-    index = os.path.join(root, INDEX_NAME)
-    if os.path.exists(index):
-        weight_map = _read_index(index)
+def _discover(storage: Storage, root: str) -> tuple[list[str], dict[str, str] | None]:
+    index = storage.join(root, INDEX_NAME)
+    if storage.exists(index):
+        weight_map = _read_index(storage, index)
         names = sorted(set(weight_map.values()))
         if not names:
             raise CheckpointNotFoundError(f"{index}: 'weight_map' names no tensors")
         for n in names:
-            if not os.path.isfile(os.path.join(root, n)):
+            if not storage.is_file(storage.join(root, n)):
                 raise MissingShardError(f"{index}: shard {n!r} is not in {root}")
         return names, weight_map
-    if os.path.isfile(os.path.join(root, SINGLE_NAME)):
+    if storage.is_file(storage.join(root, SINGLE_NAME)):
         return [SINGLE_NAME], None
-    names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors") and os.path.isfile(os.path.join(root, n)))
+    names = sorted(n for n in storage.list(root) if n.endswith(".safetensors") and storage.is_file(storage.join(root, n)))
     if not names:
         raise CheckpointNotFoundError(
             f"{root}: no {INDEX_NAME}, no {SINGLE_NAME} and no *.safetensors files; point raylazy at a model directory"
@@ -131,9 +134,9 @@ def _discover(root: str) -> tuple[list[str], dict[str, str] | None]:
     return names, None
 
 
-def _read_index(index: str) -> dict[str, str]:
+def _read_index(storage: Storage, index: str) -> dict[str, str]:
     try:
-        raw = json.loads(_read_small(index, IndexFileError).decode("utf-8"))
+        raw = json.loads(_read_small(storage, index, IndexFileError).decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8
         raise IndexFileError(f"{index}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
@@ -160,7 +163,7 @@ def _is_plain_name(name: str) -> bool:
     )
 
 
-def _cross_check(root: str, names: list[str], headers: tuple[FileHeader, ...], weight_map: dict | None) -> None:
+def _cross_check(storage: Storage, root: str, names: list[str], headers: tuple[FileHeader, ...], weight_map: dict | None) -> None:
     owner: dict[str, str] = {}
     for name, header in zip(names, headers):
         for t in header.tensors:
@@ -170,37 +173,35 @@ def _cross_check(root: str, names: list[str], headers: tuple[FileHeader, ...], w
     for tensor, name in (weight_map or {}).items():
         if owner.get(tensor) != name:
             raise MissingTensorError(
-                f"{os.path.join(root, INDEX_NAME)}: the index maps {tensor!r} to {name}, but "
+                f"{storage.join(root, INDEX_NAME)}: the index maps {tensor!r} to {name}, but "
                 + (f"it is in {owner[tensor]}" if tensor in owner else "that file does not contain it")
             )
 
 
-def _read_config(root: str) -> ModelConfig:
-    path = os.path.join(root, "config.json")
-    if not os.path.isfile(path):
+def _read_config(storage: Storage, root: str) -> ModelConfig:
+    path = storage.join(root, "config.json")
+    if not storage.is_file(path):
         return ModelConfig()
     try:
-        raw = json.loads(_read_small(path, ModelConfigError).decode("utf-8"))
+        raw = json.loads(_read_small(storage, path, ModelConfigError).decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise ModelConfigError(f"{path}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     return ModelConfig.from_dict(raw, path)
 
 
-def _read_small(path: str, error: type) -> bytes:
-    """The bytes of a regular file of at most MAX_JSON_BYTES; a FIFO, device or directory (an index
+def _read_small(storage: Storage, path: str, error: type) -> bytes:
+    """The bytes of a plain file of at most MAX_JSON_BYTES; a FIFO, device or directory (an index
     linked to /dev/zero would never end) or a larger file raises `error`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        source = storage.open(path)
+    except NotAFileError:
+        raise error(f"{path}: not a regular file (a directory, FIFO or device)") from None
     except OSError as e:
         raise error(f"{path}: cannot open: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise error(f"{path}: not a regular file (a directory, FIFO or device)")
-    with os.fdopen(fd, "rb") as f:
+    with source:
+        if source.size > MAX_JSON_BYTES:
+            raise error(f"{path}: larger than the {MAX_JSON_BYTES}-byte cap for JSON files")
         try:
-            data = f.read(MAX_JSON_BYTES + 1)
+            return source.read(0, source.size)
         except OSError as e:
             raise error(f"{path}: cannot read: {e.strerror}") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise error(f"{path}: larger than the {MAX_JSON_BYTES}-byte cap for JSON files")
-    return data

@@ -199,6 +199,14 @@ class ReadError(LoadError):
     """Reading planned bytes failed (I/O error, permission, file truncated)."""
 
 
+class UnsupportedStorageError(CheckpointError):
+    """A URI whose scheme no registered storage serves (see `raylazy.storage.register_storage`)."""
+
+
+class BufferMismatchError(ConfigurationError):
+    """A caller-supplied destination tensor does not match its shard (shape, dtype, device, layout)."""
+
+
 class PlacementError(RaylazyError):
     """The cluster cannot place the rank actors (not enough GPUs, timed out)."""
 

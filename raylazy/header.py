@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -39,6 +38,7 @@ from .errors import (
     TooManyEntriesError,
     UnknownDTypeError,
 )
+from .storage import NotAFileError, open_source
 
 #: Largest header the reader accepts, as in huggingface/safetensors.
 MAX_HEADER_BYTES = 100_000_000
@@ -90,25 +90,20 @@ class FileHeader:
 
 
 def read_header(path: str | os.PathLike) -> FileHeader:
-    """Read and validate the header of the safetensors file at `path` (no tensor data)."""
+    """Read and validate the header of the safetensors file at `path` (a path or URI; no tensor data)."""
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file")
-        file_size = st.st_size
-        try:  # read the header and nothing past it (a read-ahead would also mark pages that make the
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # ranks' row reads read ahead: io/common.py)
-        except OSError:
-            pass
-        prefix = _pread_exact(fd, min(8, file_size), 0)
+        source = open_source(path)
+    except NotAFileError:
+        raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file") from None
+    with source:
+        file_size = source.size
+        source.random_access()  # read the header and nothing past it (see LocalSource.random_access)
+        prefix = source.read(0, min(8, file_size))
         if len(prefix) < 8:
             raise FileTooSmallError(path, f"file is {file_size} bytes, shorter than the 8-byte header length prefix")
         header_len = _check_length(path, prefix, file_size)
-        blob = _pread_exact(fd, header_len, 8)
-    finally:
-        os.close(fd)
+        blob = source.read(8, header_len)
     return parse_header(prefix + blob, file_size, path)
 
 
@@ -142,17 +137,6 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
         metadata=metadata,
         digest=hashlib.sha256(data[: 8 + header_len]).hexdigest(),
     )
-
-
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 def _check_item_counts(path: str, blob: bytes) -> None:

@@ -62,7 +62,7 @@ def make_plan(
                 shards.append(whole)
             else:
                 shards.append(_shard(fi, t, placement.describe(), slicing, opts.max_gap, ckpt.files[fi].path))
-    files = tuple(FileRef(path=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
+    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
     return Plan(
         root=ckpt.root,
         model_type=cfg.model_type,

@@ -23,9 +23,10 @@ class _Frozen(BaseModel):
 
 
 class FileRef(_Frozen):
-    """A checkpoint file as planned: path, size and header digest (checked again before reading)."""
+    """A checkpoint file as planned: URI (a plain path for a local file), size and header digest
+    (checked again before reading)."""
 
-    path: str
+    uri: str
     size: int
     digest: str
 
@@ -185,7 +186,7 @@ class Plan(_Frozen):
                 for r in t.reads or (None,):
                     rows.append({
                         **base,
-                        "file": os.path.basename(self.files[r.file].path) if r else None,
+                        "file": os.path.basename(self.files[r.file].uri) if r else None,
                         "offset": r.offset if r else None,
                         "length": r.length if r else 0,
                         "count": r.count if r else 0,

@@ -62,6 +62,6 @@ def read_files(plan) -> list[bytes]:
     """The raw bytes of every file of `plan`, indexed like `Read.file`."""
     out = []
     for f in plan.files:
-        with open(f.path, "rb") as fh:
+        with open(f.uri, "rb") as fh:
             out.append(fh.read())
     return out

@@ -238,7 +238,7 @@ class TestShards:
         for rp, info, (start, end), stats in zip(loaded.plan.ranks, loaded.ranks, windows, loaded.stats):
             assert read_rchar(info.pid)[0] >= end  # the driver sees the same process (actors run locally)
             used = sorted({r.file for t in rp.tensors for r in t.reads})
-            headers = sum(header_bytes(loaded.plan.files[i].path) for i in used)  # open_verified: 8 + N per file
+            headers = sum(header_bytes(loaded.plan.files[i].uri) for i in used)  # open_verified: 8 + N per file
             assert stats.bytes_read == rp.stats.bytes_read and stats.bytes_needed == rp.stats.bytes_needed
             measured += end - start
             expected += rp.stats.bytes_read + headers
@@ -387,7 +387,7 @@ def test_rank_read_failure_names_ranks_and_file(llama_dir, ray_local, tmp_path):
     shutil.copytree(llama_dir, copy)
     victim = str(copy / shard_files(copy)[0])
     plan = raylazy.plan(str(copy), 2)
-    index = [os.path.basename(f.path) for f in plan.files].index(os.path.basename(victim))
+    index = [os.path.basename(f.uri) for f in plan.files].index(os.path.basename(victim))
     users = {rp.rank for rp in plan.ranks if any(r.file == index for t in rp.tensors for r in t.reads)}
     assert users
     size = os.path.getsize(victim)

@@ -65,7 +65,7 @@ def _file_bytes(model_dir: str) -> dict[str, bytes]:
 def _files(plan: Plan) -> list[bytes]:
     """Raw bytes of the plan's files, indexed like Read.file (cached per directory)."""
     by_name = _file_bytes(plan.root)
-    return [by_name[os.path.basename(f.path)] for f in plan.files]
+    return [by_name[os.path.basename(f.uri)] for f in plan.files]
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +130,7 @@ def test_reads_reproduce_every_slice(model_dir, tp):
             # every read stays inside the tensor's own bytes
             fname, start = _layout(model_dir)[shard.name]
             for r in shard.reads:
-                assert os.path.basename(plan.files[r.file].path) == fname
+                assert os.path.basename(plan.files[r.file].uri) == fname
                 for off, _, length in read_ranges(r):
                     assert start <= off and off + length <= start + full.numel() * BF16
     if tp == 1:  # one rank reads every tensor whole, exactly once

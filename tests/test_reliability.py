@@ -212,7 +212,7 @@ def _names_a_tensor(message: str, names: set[str]) -> bool:
 @pytest.mark.parametrize("change", ["truncated", "grown", "same_size_other_header", "deleted", "fifo"])
 def test_file_changed_after_planning(llama_copy, change):
     plan, rp, fi = _plan_and_file(llama_copy)
-    path = rp.files[fi].path
+    path = rp.files[fi].uri
     if change == "truncated":
         os.truncate(path, os.path.getsize(path) - 1)
     elif change == "grown":
@@ -277,7 +277,7 @@ def test_file_fails_during_reading(llama_copy, kind, stage):
 def test_open_fails_with_permission_denied(llama_copy, monkeypatch):
     """Tests run as root, so EACCES is simulated: os.open of one planned file raises PermissionError."""
     plan, rp, fi = _plan_and_file(llama_copy)
-    path, real_open = rp.files[fi].path, os.open
+    path, real_open = rp.files[fi].uri, os.open
 
     def fake_open(p, flags, *args, **kwargs):
         if os.fspath(p) == path:
@@ -295,7 +295,7 @@ def test_file_replaced_by_rename_while_reading_keeps_the_planned_bytes(llama_cop
     """Promise: an open file is read to the end even if a new file is renamed over its path
     (the reader holds the planned inode); the shards are those of the planned file."""
     plan, rp, fi = _plan_and_file(llama_copy)
-    path = rp.files[fi].path
+    path = rp.files[fi].uri
     other = path + ".new"
     with open(path, "rb") as f:
         data = bytearray(f.read())

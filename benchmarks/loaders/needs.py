@@ -28,7 +28,7 @@ def page_maps(rank_plan) -> dict[str, np.ndarray]:
         pages = (ref.size + PAGE - 1) // PAGE
         diff = np.zeros(pages + 1, dtype=np.int64)
         first = [np.array([0])]
-        last = [np.array([(_header_end(ref.path) - 1) // PAGE])]
+        last = [np.array([(_header_end(ref.uri) - 1) // PAGE])]
         for t in rank_plan.tensors:
             for r in t.reads:
                 if r.file != i or r.length == 0:
@@ -43,14 +43,14 @@ def page_maps(rank_plan) -> dict[str, np.ndarray]:
         f, l = np.concatenate(first), np.concatenate(last)
         np.add.at(diff, f, 1)
         np.add.at(diff, l + 1, -1)
-        maps[ref.path] = np.cumsum(diff[:-1]) > 0
+        maps[ref.uri] = np.cumsum(diff[:-1]) > 0
     return maps
 
 
 def rank_needs(rank_plan) -> dict:
     """{'exact': data bytes the shards need, 'pages': page-rounded bytes incl. headers, 'header': header bytes}."""
     maps = page_maps(rank_plan)
-    headers = sum(_header_end(rank_plan.files[i].path)
+    headers = sum(_header_end(rank_plan.files[i].uri)
                   for i in sorted({r.file for t in rank_plan.tensors for r in t.reads}))
     return {"exact": rank_plan.stats.bytes_needed, "pages": int(sum(m.sum() for m in maps.values())) * PAGE,
             "header": headers, "shard": rank_plan.stats.shard_bytes}

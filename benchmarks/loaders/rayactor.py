@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 
 from raylazy.actor import RankLoader
 from raylazy.io.common import ReadStats
 
 from .impls import checksums, measured
+
+
+@dataclass
+class BenchStats(ReadStats):
+    """A rank's ReadStats plus the benchmark's measurements of its load (None: the rank sat this load out)."""
+
+    bench: dict | None = None
 
 
 class BenchRankLoader(RankLoader):
@@ -27,14 +35,13 @@ class BenchRankLoader(RankLoader):
             with open(os.path.join(self.pid_dir, str(rank)), "w") as fh:
                 fh.write(str(os.getpid()))
 
-    def load(self, plan, options) -> ReadStats:
+    def load(self, plan, options) -> BenchStats:
         if self.active is not None and plan.rank not in self.active:
-            return ReadStats(backend=options.backend, device=self.info_.device, extra={"skipped": True})
+            return BenchStats(backend=options.backend, device=self.info_.device)
         stats, m = measured(lambda: RankLoader.load(self, plan, options))
         m.update(rank=plan.rank, shard_bytes=sum(t.nbytes for t in plan.tensors), tensors=len(plan.tensors),
                  anon_base=m["anon_before"])  # a fresh actor per load: torch is imported, nothing else held
-        stats.extra["bench"] = m
-        return stats
+        return BenchStats(**asdict(stats), bench=m)
 
 
 def configured(active=None, pid_dir=None) -> type:

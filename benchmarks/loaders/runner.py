@@ -211,7 +211,7 @@ def run_raylazy(model_dir: str, tp: int, backend: str, active: list[int] | None,
     try:
         ranks = []
         for s in loaded.stats:
-            m = s.extra.get("bench")
+            m = s.bench
             if m is None:
                 continue
             m = dict(m, reader_seconds=s.seconds, staging_bytes=s.staging_bytes, requests=s.requests)

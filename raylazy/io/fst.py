@@ -2,9 +2,10 @@
 
 fastsafetensors reads whole tensors, so this backend reads every tensor the rank
 needs in full (only those: a `tensor_filter` keeps the others unread) and builds
-each shard from it exactly as the plan says: `zeros(shard.shape)`, then each piece
-`(src, dst, length)` along `shard.dim` copied in (all of it for a replicated
-tensor). The shard is a new tensor; the full tensor is a borrowed view of the
+each shard from it exactly as the plan says: each piece `(src, dst, length)` along
+`shard.dim` copied into the shard's buffer (all of it for a replicated tensor; padding
+is zeros). The shard is the caller's tensor (`out`) or a new one, never a view of the
+loader's buffers; the full tensor is a borrowed view of the
 loader's buffer and is dropped at once, so a rank holds its shards plus the
 loader's buffers, never a second full copy. Results are bit-identical to the
 ranged backend (sub-byte dtypes come back as uint8 rows, as `typed` says).
@@ -29,9 +30,8 @@ bounce buffers (its `bbuf_size_kb`, 16 MiB by default). On top of all that the
 rank holds its own shards, as every backend does.
 
 Statistics: bytes_needed is what the shards need (reported to `on_progress` tensor
-by tensor), bytes_read the whole tensors loaded (fastsafetensors also reads the
-gaps of up to 4 KiB it merges between them), requests the files loaded
-(`extra["requests_unit"] == "files"`); extra also names the copier that ran.
+by tensor); bytes_read and requests are the byte runs fastsafetensors reads: the
+rank's whole tensors, merged when at most FST_MERGE_GAP bytes apart (gaps included).
 
 GPUDirect Storage: `options.nogds` True never uses it, False uses it on CUDA, and
 None uses it only when the device is CUDA and the rank is alone on its node (the
@@ -47,17 +47,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import time
 from math import prod
-from typing import Optional
+from typing import Mapping, Optional
 
 from ..dtypes import DTYPE_BITS
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
 from ..plans import RankPlan, TensorShard
 from ..options import ReaderOptions
-from .common import Counter, Progress, ReadStats, open_verified, typed
+from ..storage import local_path
+from .common import Progress, ReadStats, open_verified, shard_buffers
 
 log = logging.getLogger("raylazy")
 
@@ -76,6 +76,9 @@ _GDS_MESSAGES = re.compile(
     r"(?:submit|wait)_gds_read failed|libcufile|nvidia-fs|GPUDirect",
 )
 
+#: Tensors at most this many bytes apart are read as one run (fastsafetensors' `select_byte_ranges` default).
+FST_MERGE_GAP = 4096
+
 #: Set once GDS failed in this process: later loads use nogds without trying (and warning) again.
 _gds_broken = False
 
@@ -86,8 +89,11 @@ def read_rank_fastsafetensors(
     *,
     options: ReaderOptions,
     on_progress: Progress | None = None,
+    out: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
-    """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats)."""
+    """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats).
+
+    `out` ({name: tensor}) gives shards to fill in place, as for `raylazy.io.ranged.read_rank`."""
     global _gds_broken
     import torch
 
@@ -102,6 +108,11 @@ def read_rank_fastsafetensors(
             "(F4 only with an even last dim): use backend='ranged'"
         )
     used = sorted({r.file for t in plan.tensors for r in t.reads})
+    paths = [local_path(plan.files[i].uri) for i in used]
+    if None in paths:
+        raise ConfigurationError(f"backend='fastsafetensors' reads local files only, not "
+                                 f"{plan.files[used[paths.index(None)]].uri}: use backend='ranged'")
+    buffers = shard_buffers(torch, plan, dev, out)
     data_bytes = [_verified_data_bytes(plan, i) for i in used]
     gds = _want_gds(options.nogds, dev) and not _gds_broken
     reported = [0]
@@ -111,9 +122,9 @@ def read_rank_fastsafetensors(
         if on_progress is not None:
             on_progress(n)
 
+    fallback = ""
     try:
-        shards, stats = _load(torch, plan, dev, used, nogds=not gds, queue_size=options.queue_size,
-                              on_progress=progress)
+        _load(torch, plan, buffers, dev, paths, nogds=not gds, queue_size=options.queue_size, on_progress=progress)
     except Exception as e:
         if not (gds and _is_gds_unavailable(e)):
             raise
@@ -123,14 +134,17 @@ def read_rank_fastsafetensors(
         if reported[0] and on_progress is not None:
             on_progress(-reported[0])  # the failed attempt's shards were discarded
         reported[0] = 0
-        shards, stats = _load(torch, plan, dev, used, nogds=True, queue_size=options.queue_size,
-                              on_progress=progress)
-        stats.extra["gds_fallback"] = f"{type(e).__name__}: {e}"
+        gds, fallback = False, f"{type(e).__name__}: {e}"
+        _load(torch, plan, buffers, dev, paths, nogds=True, queue_size=options.queue_size, on_progress=progress)
     depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
-    stats.staging_bytes = sum(sorted(data_bytes, reverse=True)[:depth])
-    stats.extra.update(queue_size=options.queue_size, batches_in_flight=depth)
-    stats.seconds = time.perf_counter() - t0
-    return shards, stats
+    runs = fst_runs(plan)
+    stats = ReadStats(
+        backend="fastsafetensors", device=str(dev), bytes_needed=reported[0],
+        bytes_read=sum(end - start for _, start, end in runs), requests=len(runs),
+        seconds=time.perf_counter() - t0, staging_bytes=sum(sorted(data_bytes, reverse=True)[:depth]),
+        staging_buffers=depth, gds=gds, gds_fallback=fallback,
+    )
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
 
 
 def _fst_can_read(t: TensorShard) -> bool:
@@ -160,29 +174,36 @@ def _is_gds_unavailable(exc: BaseException) -> bool:
 def _verified_data_bytes(plan: RankPlan, index: int) -> int:
     """Check the file against the plan (size, header digest); returns its data section's size."""
     ref = plan.files[index]
-    fd = open_verified(ref)
-    try:
-        header = int.from_bytes(os.pread(fd, 8, 0), "little")
-    finally:
-        os.close(fd)
+    with open_verified(ref) as source:
+        header = int.from_bytes(source.read(0, 8), "little")
     return ref.size - 8 - header
 
 
-def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_size: int, on_progress):
+def fst_runs(plan: RankPlan) -> list[tuple[int, int, int]]:
+    """(file, start, end) of the byte runs fastsafetensors reads for `plan`: each needed tensor whole,
+    runs at most FST_MERGE_GAP bytes apart merged (as its `select_byte_ranges`)."""
+    spans = sorted({(t.file, t.offset, t.offset + prod(t.full_shape) * DTYPE_BITS[t.dtype] // 8)
+                    for t in plan.tensors if t.reads})
+    runs: list[list[int]] = []
+    for f, start, end in spans:
+        if runs and runs[-1][0] == f and start - runs[-1][2] <= FST_MERGE_GAP:
+            runs[-1][2] = max(runs[-1][2], end)
+        else:
+            runs.append([f, start, end])
+    return [tuple(r) for r in runs]
+
+
+def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds: bool, queue_size: int,
+          on_progress) -> None:
+    """Load the tensors with reads (the others are empty, or all padding) and cut each into its shard's buffer."""
     from fastsafetensors import ParallelLoader, SingleGroup
 
-    stats = ReadStats(backend="fastsafetensors", device=str(dev))
-    counter = Counter(on_progress)
-    by_name = {t.name: t for t in plan.tensors if t.reads}
-    out: dict = {}
-    for t in plan.tensors:
-        if not t.reads:  # empty, or all padding: nothing to read
-            out[t.name] = typed(torch.zeros(t.nbytes, dtype=torch.uint8, device=dev), t)
-    loaded = 0
+    by_name = {t.name: (t, flat) for t, (flat, _) in zip(plan.tensors, buffers) if t.reads}
+    done: set[str] = set()
     if by_name:
         loader = ParallelLoader(
             SingleGroup(),
-            [plan.files[i].path for i in used],
+            paths,
             device=str(dev),
             queue_size=queue_size,
             nogds=nogds,
@@ -194,43 +215,36 @@ def _load(torch, plan: RankPlan, dev, used: list[int], *, nogds: bool, queue_siz
             accumulate_resident=False,
         )
         try:
-            stats.extra["copier"] = getattr(loader.loader, "copier_class", type(None)).__name__
             with contextlib.closing(loader.iterate_weights()) as weights:
                 for name, full in weights:
-                    shard = by_name.get(name)
-                    if shard is None or name in out:
+                    if name not in by_name or name in done:
                         raise ReadError(f"fastsafetensors returned tensor {name!r}, which rank {plan.rank} "
                                         "did not ask for (or returned it twice)")
-                    loaded += full.nbytes
-                    out[name] = _cut(torch, full, shard, dev)
+                    shard, flat = by_name[name]
+                    _cut(torch, full, shard, flat)
+                    done.add(name)
                     del full  # the borrowed buffer is released when the loader moves to the next file
-                    counter.add(shard.bytes_needed)
+                    on_progress(shard.bytes_needed)
         finally:
             loader.close()
-    missing = [n for n in by_name if n not in out]
+    missing = [n for n in by_name if n not in done]
     if missing:
         raise ReadError(f"fastsafetensors did not return {len(missing)} planned tensor(s) of rank {plan.rank}, "
                         f"e.g. {missing[:3]}: the checkpoint changed since planning? plan again")
-    stats.bytes_needed = counter.value
-    stats.bytes_read = loaded
-    stats.requests = len(used)
-    stats.extra.update(requests_unit="files", tensors_read=len(by_name), nogds=nogds)
-    return {t.name: out[t.name] for t in plan.tensors}, stats
 
 
-def _cut(torch, full, shard: TensorShard, dev):
-    """The rank's shard of `full` as a new tensor: the plan's reads applied to the tensor's bytes."""
+def _cut(torch, full, shard: TensorShard, flat) -> None:
+    """Fill the shard's bytes `flat` from `full`: the plan's reads applied to the tensor's bytes."""
     raw = full.reshape(-1).view(torch.uint8)  # the tensor's bytes as stored (F4: packed pairs)
     if raw.numel() * 8 != prod(shard.full_shape) * DTYPE_BITS[shard.dtype]:
         raise ReadError(f"fastsafetensors returned {raw.numel()} bytes for tensor {shard.name!r}; the plan "
                         f"expects {shard.dtype} {list(shard.full_shape)}: plan again")
-    if raw.device != dev:
-        raw = raw.to(dev)
-    flat = torch.zeros(shard.nbytes, dtype=torch.uint8, device=dev)
+    if raw.device != flat.device:
+        raw = raw.to(flat.device)
     for r in shard.reads:  # the same byte ranges the ranged backend reads from the file
         src = raw.as_strided((r.count, r.length), (r.stride or r.length, 1),
                              raw.storage_offset() + r.offset - shard.offset)
-        flat.as_strided((r.count, r.length), (r.dst_stride or r.length, 1), r.dst_offset).copy_(src)
-    if dev.type == "cuda":  # the loader may reuse its buffer once we move on: finish the copy first
-        torch.cuda.current_stream(dev).synchronize()
-    return typed(flat, shard)
+        flat.as_strided((r.count, r.length), (r.dst_stride or r.length, 1),
+                        flat.storage_offset() + r.dst_offset).copy_(src)
+    if flat.device.type == "cuda":  # the loader may reuse its buffer once we move on: finish the copy first
+        torch.cuda.current_stream(flat.device).synchronize()

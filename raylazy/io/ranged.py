@@ -1,8 +1,8 @@
 """Execute one rank's plan with positional reads straight into its shard tensors.
 
-Each shard is cut into windows of whole destination rows (at most `chunk_bytes`,
-or one row if a row is larger). A thread pool reads windows concurrently with
-`os.preadv`, each row range landing in place; a window's rows are asked of storage
+The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole
+destination rows (at most `chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through
+the files' `Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place; a window's rows are asked of storage
 all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
 On the CPU a window is a slice of the shard itself, so nothing is staged. On a GPU a window is read into one of
 `queue_size + 2` pinned staging buffers and copied to the device asynchronously while
@@ -11,39 +11,21 @@ the next windows are read: staging never exceeds (queue_size + 2) x window bytes
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from typing import Mapping
 
 from ..errors import FileChangedError, ReadError
-from ..plans import RankPlan, Read, TensorShard
+from ..plans import RankPlan, Read
+from ..schedule import RankSchedule, Window, rank_schedule
 from ..options import ReaderOptions
-from .common import Counter, Progress, ReadStats, open_verified, typed
+from ..storage import Source
+from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-#: preadv flag for "only what is cached" (0 where unsupported: rows are then always hinted).
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-#: Bytes per POSIX_FADV_WILLNEED call: the kernel reads at most max(read-ahead, max I/O size) per call.
-_HINT_BYTES = 128 << 10
-
-
-@dataclass(frozen=True)
-class _Job:
-    """Fill bytes [start, end) of one shard: `reads` are (Read, first row, rows) clipped to the window."""
-
-    tensor: int
-    start: int
-    end: int
-    reads: tuple[tuple[Read, int, int], ...]
-    padded: bool
-
-    @property
-    def bytes_needed(self) -> int:
-        return sum(r.length * n if r.count > 1 else n for r, _, n in self.reads)
 
 
 def read_rank(
@@ -53,9 +35,15 @@ def read_rank(
     options: ReaderOptions = ReaderOptions(),
     on_progress: Progress | None = None,
     stage: bool | None = None,
+    schedule: RankSchedule | None = None,
+    out: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards onto `device`; returns ({name: tensor}, stats). Raises on any failure.
 
+    `out` ({name: tensor}) gives shards to fill in place (and return): each must match its
+    shard (see `common.shard_buffers`); the others are allocated.
+
+    `schedule` is the plan's windows (default: `rank_schedule(plan, options.chunk_bytes)`).
     Staging keeps options.queue_size + 2 windows of host memory (-1: one, fully serial).
     `stage` forces (True) or avoids (False) the staging-buffer pipeline; by default
     only non-CPU devices stage.
@@ -66,20 +54,21 @@ def read_rank(
     stats = ReadStats(backend="ranged", device=str(dev))
     counter = Counter(on_progress)
     t0 = time.perf_counter()
+    buffers = shard_buffers(torch, plan, dev, out)
+    flats = [flat for flat, _ in buffers]
     used = sorted({r.file for t in plan.tensors for r in t.reads})
-    fds: dict[int, int] = {}
+    sources: dict[int, Source] = {}
     try:
         for i in used:
             try:
-                fds[i] = open_verified(plan.files[i])
+                sources[i] = open_verified(plan.files[i])  # read-ahead off: no bytes past the planned ranges
             except (FileChangedError, ReadError) as e:  # say which of this rank's tensors the file holds
                 names = [t.name for t in plan.tensors if any(r.file == i for r in t.reads)]
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                 raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})") from None
-            os.posix_fadvise(fds[i], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past the planned ranges
-        flats = [_alloc(torch, t, dev) for t in plan.tensors]
-        jobs = [job for i, t in enumerate(plan.tensors) for job in _windows(i, t, options.chunk_bytes)]
-        reader = _Reader(plan, fds, counter)
+        schedule = schedule or rank_schedule(plan, options.chunk_bytes)
+        jobs = schedule.windows
+        reader = _Reader(plan, sources, counter)
         with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="raylazy-read") as pool:
             if not (dev.type != "cpu" if stage is None else stage):
                 futures = [pool.submit(reader.run, j, _as_view(flats[j.tensor], j.start, j.end)) for j in jobs]
@@ -91,79 +80,52 @@ def read_rank(
                         f.cancel()
                     raise
             else:
-                stats.staging_bytes = _staged(torch, pool, reader, jobs, flats, dev, options.queue_size + 2)
+                stats.staging_buffers = _staged(torch, pool, reader, schedule, flats, dev, options.queue_size + 2)
+                stats.staging_bytes = stats.staging_buffers * schedule.window_bytes
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for source in sources.values():
+            source.close()
     stats.bytes_needed = counter.value
     stats.bytes_read = sum(t.bytes_read for t in plan.tensors)
     stats.requests = sum(t.requests for t in plan.tensors)
     stats.seconds = time.perf_counter() - t0
-    return {t.name: typed(f, t) for t, f in zip(plan.tensors, flats)}, stats
-
-
-def _alloc(torch, t: TensorShard, dev):
-    needed = t.bytes_needed
-    make = torch.zeros if needed < t.nbytes else torch.empty  # zero only shards with padding
-    return make(t.nbytes, dtype=torch.uint8, device=dev)
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
 
 
 def _as_view(flat, start: int, end: int) -> memoryview:
     return memoryview(flat.numpy()).cast("B")[start:end]
 
 
-def _windows(index: int, t: TensorShard, chunk: int):
-    """Split a shard into jobs of whole destination rows, at most `chunk` bytes unless one row is larger."""
-    rows = {r.dst_stride for r in t.reads if r.count > 1}
-    row = rows.pop() if rows else 1
-    width = max(row, chunk // row * row)
-    padded = t.bytes_needed < t.nbytes
-    for start in range(0, t.nbytes, width):
-        end = min(start + width, t.nbytes)
-        parts = []
-        for r in t.reads:
-            if r.count > 1:  # rows i with dst_offset + i*dst_stride in [start, end)
-                first = max(0, -(-(start - r.dst_offset) // r.dst_stride))
-                last = min(r.count, -(-(end - r.dst_offset) // r.dst_stride))
-                if last > first:
-                    parts.append((r, first, last - first))
-            else:  # a contiguous range clipped to the window: (read, byte offset, bytes)
-                lo, hi = max(start, r.dst_offset), min(end, r.dst_offset + r.length)
-                if hi > lo:
-                    parts.append((r, lo - r.dst_offset, hi - lo))
-        yield _Job(index, start, end, tuple(parts), padded)
-
-
 class _Reader:
     """Runs jobs: positional reads from the planned files into a window's buffer."""
 
-    def __init__(self, plan: RankPlan, fds: dict[int, int], counter: Counter):
-        self.plan, self.fds, self.counter = plan, fds, counter
+    def __init__(self, plan: RankPlan, sources: dict[int, Source], counter: Counter):
+        self.plan, self.sources, self.counter = plan, sources, counter
         self.gap = bytearray(max([r.stride - r.length for t in plan.tensors for r in t.reads if r.gather] or [0]))
 
-    def run(self, job: _Job, buf: memoryview) -> None:
+    def run(self, job: Window, buf: memoryview) -> None:
         name = self.plan.tensors[job.tensor].name
-        for r, first, n in job.reads:  # whole ranges asked for at once (a read alone waits on each read-ahead window)
+        for r, first, n in job.parts:  # whole ranges asked for at once (a read alone waits on each read-ahead window)
             if r.count == 1:
-                _willneed(self.fds[r.file], r.offset + first, r.offset + first + n)
-        for r, first, n in job.reads:
-            fd, path = self.fds[r.file], self.plan.files[r.file].path
+                self.sources[r.file].will_need(r.offset + first, r.offset + first + n)
+        for r, first, n in job.parts:
+            source = self.sources[r.file]
             try:
                 if r.count == 1:
                     dst = r.dst_offset + first - job.start
-                    _preadv_full(fd, [buf[dst : dst + n]], r.offset + first)
+                    source.readinto(r.offset + first, [buf[dst : dst + n]])
                 elif r.gather:
-                    self._gather(fd, r, first, n, buf, job.start)
+                    self._gather(source, r, first, n, buf, job.start)
                 else:
-                    _read_rows(fd, r, first, n, buf, job.start)
+                    _read_rows(source, r, first, n, buf, job.start)
             except OSError as e:
-                raise ReadError(f"{path}: reading tensor {name!r} at byte {r.offset}: {e.strerror or e}") from None
+                raise ReadError(f"{source.uri}: reading tensor {name!r} at byte {r.offset}: {e.strerror or e}") from None
             except EOFError as e:
-                raise ReadError(f"{path}: file ended early while reading tensor {name!r}: {e}; "
+                raise ReadError(f"{source.uri}: file ended early while reading tensor {name!r}: {e}; "
                                 "it was truncated since planning") from None
         self.counter.add(job.bytes_needed)
 
-    def _gather(self, fd: int, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
+    def _gather(self, source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
         gap = memoryview(self.gap)[: r.stride - r.length]
         per_call = max(1, _IOV_MAX // 2)
         for b in range(first, first + n, per_call):
@@ -174,35 +136,28 @@ class _Reader:
                 iov.append(buf[dst : dst + r.length])
                 if i != rows[-1] and len(gap):
                     iov.append(gap)
-            _preadv_full(fd, iov, r.offset + b * r.stride)
+            source.readinto(r.offset + b * r.stride, iov)
 
 
-def _read_rows(fd: int, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
-    """Rows first .. first+n-1 of `r`, one pread each, into `buf` (which starts at shard byte `base`).
+def _read_rows(source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
+    """Rows first .. first+n-1 of `r`, one read each, into `buf` (which starts at shard byte `base`).
 
     From a cold cache, row after row would each wait on storage in turn. So the first row is
-    tried without waiting (RWF_NOWAIT): if it was cached, every row is tried that way, the
-    cached ones copied at once while the kernel starts reading exactly the pages of the others
-    (then read waiting); if not, the pages of all the rows are asked for at once
-    (POSIX_FADV_WILLNEED, in runs of rows whose pages touch, so no page no row needs) and the
-    rows are then read waiting. Either way storage sees many requests at once, and only the
-    rows' own pages.
+    tried without waiting (`try_readinto`, RWF_NOWAIT locally): if it was cached, every row is
+    tried that way, the cached ones copied at once while the kernel starts reading exactly the
+    pages of the others (then read waiting); if not, the pages of all the rows are asked for at
+    once (`will_need`, in runs of rows whose pages touch, so no page no row needs) and the rows
+    are then read waiting. Either way storage sees many requests at once, and only the rows'
+    own pages.
     """
-    global _NOWAIT
     todo = []  # (view, file offset) still to read, waiting
     warm = None
+    try_read = source.try_readinto
     for i in range(first, first + n):
         dst = r.dst_offset + i * r.dst_stride - base
         view, off = buf[dst : dst + r.length], r.offset + i * r.stride
-        if _NOWAIT and warm is not False:
-            try:
-                got = os.preadv(fd, [view], off, _NOWAIT)
-            except BlockingIOError:
-                got = 0
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                _NOWAIT, got = 0, 0  # not supported here: hints only
+        if warm is not False:
+            got = try_read(off, view)
             warm = warm or got == r.length
             if got < r.length:
                 todo.append((view[got:], off + got))
@@ -215,40 +170,19 @@ def _read_rows(fd: int, r: Read, first: int, n: int, buf: memoryview, base: int)
                 end = off + len(view)
                 continue
             if start >= 0:
-                _willneed(fd, start, end)
+                source.will_need(start, end)
             start, end = off, off + len(view)
         if start >= 0:
-            _willneed(fd, start, end)
+            source.will_need(start, end)
     for view, off in todo:
         if len(view):
-            _preadv_full(fd, [view], off)
+            source.readinto(off, [view])
 
 
-def _willneed(fd: int, start: int, end: int) -> None:
-    try:
-        for a in range(start, end, _HINT_BYTES):
-            os.posix_fadvise(fd, a, min(_HINT_BYTES, end - a), os.POSIX_FADV_WILLNEED)
-    except OSError:  # advice only; the reads report real errors
-        pass
-
-
-def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:
-    """preadv until every buffer is full; short reads continue, end of file raises EOFError."""
-    while bufs:
-        got = os.preadv(fd, bufs, offset)
-        if got == 0:
-            raise EOFError(f"{sum(len(b) for b in bufs)} bytes missing at offset {offset}")
-        offset += got
-        while bufs and got >= len(bufs[0]):
-            got -= len(bufs[0])
-            bufs = bufs[1:]
-        if bufs and got:
-            bufs = [bufs[0][got:]] + bufs[1:]
-
-
-def _staged(torch, pool, reader: _Reader, jobs, flats, dev, depth: int) -> int:
-    """GPU path: read windows into `depth` pinned buffers, copy each to the device while others read."""
-    size = max((j.end - j.start for j in jobs), default=0)
+def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, depth: int) -> int:
+    """GPU path: read windows into `depth` pinned buffers, copy each to the device while others read;
+    returns the number of buffers."""
+    size = schedule.window_bytes
     depth = max(1, depth)
     free: queue.Queue = queue.Queue()
     for _ in range(depth):
@@ -265,7 +199,7 @@ def _staged(torch, pool, reader: _Reader, jobs, flats, dev, depth: int) -> int:
         reader.run(job, _as_view(buf, 0, job.end - job.start))
         return job, buf
 
-    pending = {pool.submit(fill, j) for j in jobs}
+    pending = {pool.submit(fill, w) for w in schedule.windows}
     try:
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -285,7 +219,7 @@ def _staged(torch, pool, reader: _Reader, jobs, flats, dev, depth: int) -> int:
         raise
     if stream is not None:
         stream.synchronize()
-    return depth * size
+    return depth
 
 
 def _copy(torch, stream, dst, buf):
