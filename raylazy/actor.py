@@ -70,11 +70,10 @@ class RankLoader:
     def load(self, plan: RankPlan, options: ReaderOptions) -> ReadStats:
         """Read this rank's shards onto its device. On failure nothing is kept."""
         self._shards, self._progress = None, Counter()
-        if options.backend == "fastsafetensors":
-            from .io.fst import read_rank_fastsafetensors as read
-        else:
-            from .io.ranged import read_rank as read
-        shards, stats = read(plan, self.info_.device, options=options, on_progress=self._progress.add)
+        from .io.backends import get_backend
+
+        shards, stats = get_backend(options.backend).read(plan, self.info_.device, options=options,
+                                                          on_progress=self._progress.add)
         self._shards = shards
         return stats
 

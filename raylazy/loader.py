@@ -18,6 +18,7 @@ from typing import Any, Callable
 from .actor import RankInfo, RankLoader
 from .errors import ConfigurationError
 from .group import RankGroup
+from .io.backends import check_backend
 from .io.common import ReadStats
 from .options import LoadOptions, load_options
 from .mesh import Mesh
@@ -25,6 +26,7 @@ from .placement import check_placeable, ensure_ray, rank_bundles
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
+from .schedule import group_by_node
 
 log = logging.getLogger("raylazy")
 
@@ -144,10 +146,11 @@ def load(
     group = RankGroup.create(bundles, place.device, place.placement_strategy, place.max_retries, actor_cls)
     try:
         plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
+        check_backend(opts.reader.backend, plan.ranks)
         ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        sharing = {info.node_id: sum(i.node_id == info.node_id for i in ranks) for info in ranks}
-        loads = [a.load.remote(rp, _rank_reader(opts.reader, sharing[info.node_id]))
-                 for a, rp, info in zip(group.actors, plan.ranks, ranks)]
+        nodes = group_by_node([info.node_id for info in ranks])
+        loads = [a.load.remote(rp, _rank_reader(opts.reader, len(nodes.peers(rp.rank))))
+                 for a, rp in zip(group.actors, plan.ranks)]
         stats = _wait_with_progress(group, loads, plan, opts)
     except BaseException:
         group.release()

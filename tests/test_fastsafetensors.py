@@ -128,6 +128,21 @@ def test_tensors_fastsafetensors_cannot_read_are_refused_up_front(tmp_path):
     assert "'f4'" in str(e.value) and "'c'" in str(e.value)
 
 
+@pytest.mark.ray
+def test_load_refuses_what_fastsafetensors_cannot_read_on_the_driver(tmp_path, ray_local):
+    """The backend's check runs on the driver: a ConfigurationError, not a RankFailedError from the ranks."""
+    from raylazy.errors import RankFailedError
+    from raytest import assert_no_leaks, live
+
+    d = _write_file(tmp_path / "odd", {"ok": ("BF16", (4, 4)), "c": ("C64", (2,))})
+    before = live()
+    with pytest.raises(ConfigurationError, match="backend='ranged'") as e:
+        raylazy.load(d, 2, rules=[("*", Replicated())], preset=None, backend="fastsafetensors", device="cpu",
+                     progress=False)
+    assert not isinstance(e.value, RankFailedError) and "'c'" in str(e.value)
+    assert_no_leaks(before, "a plan the backend cannot read")
+
+
 def test_filter_keeps_unneeded_tensors_unread(llama_dir, monkeypatch):
     """A rank needing a third of the tensors gets only those from the loader, and their bytes alone are read."""
     import fastsafetensors

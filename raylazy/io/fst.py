@@ -99,19 +99,9 @@ def read_rank_fastsafetensors(
 
     t0 = time.perf_counter()
     dev = torch.device(device)
-    refused = [t for t in plan.tensors if t.reads and not _fst_can_read(t)]
-    if refused:
-        what = ", ".join(f"{t.name!r} ({t.dtype} {list(t.full_shape)})" for t in refused[:3])
-        raise ConfigurationError(
-            f"backend='fastsafetensors' cannot read {len(refused)} tensor(s) of rank {plan.rank}: {what}"
-            f"{' ...' if len(refused) > 3 else ''}; fastsafetensors supports {', '.join(sorted(FST_DTYPES))} "
-            "(F4 only with an even last dim): use backend='ranged'"
-        )
+    check_fastsafetensors(plan)
     used = sorted({r.file for t in plan.tensors for r in t.reads})
     paths = [local_path(plan.files[i].uri) for i in used]
-    if None in paths:
-        raise ConfigurationError(f"backend='fastsafetensors' reads local files only, not "
-                                 f"{plan.files[used[paths.index(None)]].uri}: use backend='ranged'")
     buffers = shard_buffers(torch, plan, dev, out)
     data_bytes = [_verified_data_bytes(plan, i) for i in used]
     gds = _want_gds(options.nogds, dev) and not _gds_broken
@@ -145,6 +135,23 @@ def read_rank_fastsafetensors(
         staging_buffers=depth, gds=gds, gds_fallback=fallback,
     )
     return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
+
+
+def check_fastsafetensors(plan: RankPlan) -> None:
+    """Raise ConfigurationError unless fastsafetensors can read every tensor and file of `plan` (the driver
+    runs this on every rank plan before any actor reads; the reader runs it again for direct callers)."""
+    refused = [t for t in plan.tensors if t.reads and not _fst_can_read(t)]
+    if refused:
+        what = ", ".join(f"{t.name!r} ({t.dtype} {list(t.full_shape)})" for t in refused[:3])
+        raise ConfigurationError(
+            f"backend='fastsafetensors' cannot read {len(refused)} tensor(s) of rank {plan.rank}: {what}"
+            f"{' ...' if len(refused) > 3 else ''}; fastsafetensors supports {', '.join(sorted(FST_DTYPES))} "
+            "(F4 only with an even last dim): use backend='ranged'"
+        )
+    remote = [f.uri for f in plan.files if local_path(f.uri) is None]
+    if remote:
+        raise ConfigurationError(f"backend='fastsafetensors' reads local files only, not {remote[0]}: "
+                                 "use backend='ranged'")
 
 
 def _fst_can_read(t: TensorShard) -> bool:
