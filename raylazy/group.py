@@ -16,6 +16,7 @@ from typing import Any
 from .actor import RankInfo, RankLoader
 from .errors import ConfigurationError, PlacementError, RankFailedError
 from .placement import describe_resources
+from .schedule import NodeGroups, group_by_node
 
 
 @dataclass
@@ -75,6 +76,11 @@ class RankGroup:
     @property
     def size(self) -> int:
         return len(self.actors)
+
+    @property
+    def nodes(self) -> NodeGroups:
+        """Which ranks share each node, and each rank's local rank (once the group is ready)."""
+        return group_by_node([info.node_id for info in self.ranks])
 
     def wait_ready(self, placement_timeout_s: float, timeout_s: float) -> list[RankInfo]:
         """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""

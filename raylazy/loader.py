@@ -26,7 +26,6 @@ from .placement import check_placeable, ensure_ray, rank_bundles
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
-from .schedule import group_by_node
 
 log = logging.getLogger("raylazy")
 
@@ -147,8 +146,8 @@ def load(
     try:
         plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
         check_backend(opts.reader.backend, plan.ranks)
-        ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        nodes = group_by_node([info.node_id for info in ranks])
+        group.wait_ready(place.placement_timeout_s, opts.timeout_s)
+        nodes = group.nodes
         loads = [a.load.remote(rp, _rank_reader(opts.reader, len(nodes.peers(rp.rank))))
                  for a, rp in zip(group.actors, plan.ranks)]
         stats = _wait_with_progress(group, loads, plan, opts)
