@@ -7,6 +7,7 @@ import os
 from raylazy.actor import RankLoader
 from raylazy.io.common import ReadStats
 
+from .diskstats import Device
 from .impls import checksums, measured
 
 
@@ -22,15 +23,16 @@ class BenchRankLoader(RankLoader):
     pid_dir: str | None = None
 
     def __init__(self, rank: int, device: str = "auto"):
-        super().__init__(rank, device)
-        if self.pid_dir:
+        if self.pid_dir:  # first, so the sampler watches the process from its start (a tiny load is over in ms)
             with open(os.path.join(self.pid_dir, str(rank)), "w") as fh:
                 fh.write(str(os.getpid()))
+        super().__init__(rank, device)
 
     def load(self, plan, options) -> ReadStats:
         if self.active is not None and plan.rank not in self.active:
             return ReadStats(backend=options.backend, device=self.info_.device, extra={"skipped": True})
-        stats, m = measured(lambda: RankLoader.load(self, plan, options))
+        disk = Device([f.path for f in plan.files])
+        stats, m = measured(lambda: RankLoader.load(self, plan, options), disk if disk.name else None)
         m.update(rank=plan.rank, shard_bytes=sum(t.nbytes for t in plan.tensors), tensors=len(plan.tensors),
                  anon_base=m["anon_before"])  # a fresh actor per load: torch is imported, nothing else held
         stats.extra["bench"] = m
