@@ -12,6 +12,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -139,3 +141,22 @@ def test_diskstats_device_of_the_checkpoint(tiny_dir):
     assert got.mean_request == got.bytes / got.requests
     assert Device(["/proc/self/status"]).name is None  # procfs: no block device, and a reason
     assert "no /proc/diskstats line" in Device(["/proc/self/status"]).missing
+
+
+def test_without_a_block_device_pulled_falls_back_to_read_bytes(tiny_dir, tmp_path, capsys):
+    """A checkpoint on tmpfs has no /proc/diskstats line: pulled is the processes' read_bytes, and the run says why."""
+    if not os.path.isdir("/dev/shm") or Device(["/dev/shm"]).name is not None:
+        pytest.skip("no tmpfs at /dev/shm")
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="raylazy-bench-")
+    try:
+        model = shutil.copytree(tiny_dir, os.path.join(shm, "model"))
+        out = tmp_path / "out"
+        rc = bench.main(["--model-dir", model, "--out", str(out), "--tp", "1", "--loaders", "naive", "--caches", "warm",
+                         "--placements", "node", "--warm-runs", "1", "--gate-cpu", "0", "--no-chart", "--no-verify"])
+        assert rc == 0, capsys.readouterr().out
+    finally:
+        shutil.rmtree(shm)
+    data = json.loads((out / "results.json").read_text())
+    assert data["environment"]["storage_device"] is None
+    (row,) = data["rows"]
+    _check_storage_columns(row, None, data["environment"]["storage_device_missing"])
