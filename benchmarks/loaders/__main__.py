@@ -17,9 +17,12 @@ import sys
 import threading
 import time
 
-from . import impls, pagecache, report, runner
+from . import diskstats, impls, pagecache, report, runner
 from .checkpoint import ModelSpec, checkpoint_files, default_cache_dir, ensure_checkpoint
 from .needs import node_needs, rank_needs
+
+PLACEMENTS = ("node", "rank-per-node")
+CACHES = ("cold", "warm")
 
 
 def parse_args(argv):
@@ -31,8 +34,11 @@ def parse_args(argv):
     ap.add_argument("--tp", default="1,2,4", help="comma-separated tp values (default 1,2,4)")
     ap.add_argument("--loaders", default=",".join(impls.ALL_LOADERS),
                     help=f"comma-separated, from {','.join(impls.ALL_LOADERS)}")
-    ap.add_argument("--placements", default="node,rank-per-node")
-    ap.add_argument("--caches", default="cold,warm", help="cache states for one-node runs (rank-per-node runs are cold)")
+    ap.add_argument("--placements", default=",".join(PLACEMENTS),
+                    help="comma-separated, from node (all ranks at once on this node) and rank-per-node (each rank "
+                         "alone from a cold cache, one after another)")
+    ap.add_argument("--caches", default=",".join(CACHES),
+                    help="cache states for one-node runs (rank-per-node runs are cold)")
     ap.add_argument("--runs", type=int, default=3, help="runs per loader and one-node scenario (default 3)")
     ap.add_argument("--warm-runs", type=int, default=2, help="runs per loader and warm one-node scenario (default 2)")
     ap.add_argument("--rank-node-runs", type=int, default=2,
@@ -57,6 +63,19 @@ def parse_args(argv):
     ap.add_argument("--gate-max-s", type=float, default=180.0, help="longest wait before one run (default 180 s)")
     ap.add_argument("--no-chart", action="store_true")
     return ap.parse_args(argv)
+
+
+def _choices(flag: str, value: str, allowed: tuple) -> list[str]:
+    """The comma-separated names of `value`, each one of `allowed`: any other name ends the program.
+
+    A misspelt placement must not fall through to another scenario (`--placements one-node` once ran
+    every rank alone, one after another, and was read as a one-node run).
+    """
+    names = [x for x in value.split(",") if x]
+    unknown = [x for x in names if x not in allowed]
+    if unknown or not names:
+        sys.exit(f"{flag}: unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from {', '.join(allowed)}")
+    return names
 
 
 def wait_quiet(max_s: float, threshold: float, log=print) -> float:
@@ -154,12 +173,9 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():  # a kill cleans up (rank processes, Ray) too
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tps = [int(x) for x in args.tp.split(",")]
-    loaders = [x for x in args.loaders.split(",") if x]
-    unknown = set(loaders) - set(impls.ALL_LOADERS)
-    if unknown:
-        sys.exit(f"unknown loader(s) {sorted(unknown)}; choose from {impls.ALL_LOADERS}")
-    placements = args.placements.split(",")
-    caches = args.caches.split(",")
+    loaders = _choices("--loaders", args.loaders, impls.ALL_LOADERS)
+    placements = _choices("--placements", args.placements, PLACEMENTS)
+    caches = _choices("--caches", args.caches, CACHES)
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     spec = ModelSpec(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
@@ -170,12 +186,16 @@ def main(argv=None) -> int:
     total_pages = sum((os.path.getsize(p) + pagecache.PAGE - 1) // pagecache.PAGE for p in files) * pagecache.PAGE
     waited = wait_quiet(args.wait_quiet, args.quiet_load) if args.wait_quiet else 0.0
     env = machine(model_dir)
+    disk = diskstats.Device(files)
     env.update(model_dir=model_dir, files=len(files), checkpoint_bytes=total, argv=sys.argv[1:] if argv is None else argv,
+               storage_device=disk.name, storage_device_missing=disk.missing,
                model=spec.describe() if not args.model_dir else model_dir, load_before=os.getloadavg(),
                waited_for_quiet_s=round(waited, 1), started=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(f"checkpoint {model_dir}: {len(files)} files, {total / 1e9:.2f} GB; {env['cpu']} x{env['cpus']}, "
           f"{env['ram_gb']} GiB RAM, {env['fs']} on {env['disk']} (read-ahead {env['read_ahead']}); "
           f"load average {', '.join(f'{x:.2f}' for x in env['load_before'])}")
+    print("bytes pulled from storage: " + (f"/proc/diskstats of {disk.name}, the node's reads as the device saw them"
+                                            if disk.name else f"the loaders' processes' /proc/PID/io read_bytes ({disk.missing})"))
     reader = {}
     if args.threads:
         reader["threads"] = args.threads
@@ -185,7 +205,8 @@ def main(argv=None) -> int:
         reader["max_gap"] = args.max_gap
     own_ray = runner.init_ray(max(tps)) if any(l in impls.RAY_LOADERS for l in loaders) else False
     try:
-        return _measure(args, tps, loaders, placements, caches, out, model_dir, files, total_pages, reader, env)
+        return _measure(args, tps, loaders, placements, caches, out, model_dir, files, total_pages, reader, env,
+                        disk if disk.name else None)
     finally:
         if own_ray:
             import ray
@@ -193,7 +214,7 @@ def main(argv=None) -> int:
             ray.shutdown()
 
 
-def _measure(args, tps, loaders, placements, caches, out, model_dir, files, total_pages, reader, env) -> int:
+def _measure(args, tps, loaders, placements, caches, out, model_dir, files, total_pages, reader, env, disk) -> int:
     import raylazy
 
     records: list[dict] = []
@@ -234,7 +255,7 @@ def _measure(args, tps, loaders, placements, caches, out, model_dir, files, tota
                             rec = one_run(loader, tp, placement, cache, i, files, total_pages, groups, model_dir, reader,
                                           verify, ref, needs if loader != "raw" else raw_needs,
                                           node_pages if loader != "raw" else total_pages,
-                                          (args.gate_cpu, args.gate_max_s) if args.gate_cpu > 0 else None)
+                                          (args.gate_cpu, args.gate_max_s) if args.gate_cpu > 0 else None, disk)
                             if rec["verified"] is not None:
                                 verified.add((loader, tp))
                             records.append(rec)
@@ -265,9 +286,17 @@ def _la(x) -> str:
 
 
 def one_run(loader, tp, placement, cache, index, files, total_pages, groups, model_dir, reader, verify, ref, needs,
-            node_pages, gate_args=None) -> dict:
+            node_pages, gate_args=None, disk=None) -> dict:
+    """One run of `loader`: all ranks at once (placement "node") or each alone after its own eviction.
+
+    "pulled_bytes" is what the node pulled from storage: with `disk` (a diskstats.Device), what the device
+    served while the ranks loaded plus the raylazy driver's planning reads (headers, just before); without,
+    the sum of the loader's processes' read_bytes ("procs_read_bytes", recorded either way). On one rank
+    per node each rank's part is its own.
+    """
     parts = [list(range(tp))] if placement == "node" else [[r] for r in range(tp)]
     ranks, e2e, e2e_cpu, resident, checks, others, waited = [], [], [], [], {}, [], 0.0
+    dev, pulled, procs = None, 0, 0
     load1 = os.getloadavg()[0]
     for active in parts:
         if gate_args:
@@ -276,17 +305,23 @@ def one_run(loader, tp, placement, cache, index, files, total_pages, groups, mod
             waited += w
         resident.append(prepare_cache(cache, files, total_pages))
         if loader in impls.PROCESS_LOADERS:
-            res = runner.run_process(groups[loader], active, verify)
+            res = runner.run_process(groups[loader], active, verify, disk)
         else:
-            backend = "ranged" if loader == "raylazy-ranged" else "fastsafetensors"
-            res = runner.run_raylazy(model_dir, tp, backend, None if placement == "node" else active, verify,
-                                     reader if backend == "ranged" else
-                                     {k: v for k, v in reader.items() if k == "max_gap"})
+            spec = impls.RAY_LOADERS[loader]
+            options = dict(spec.options, **{k: v for k, v in reader.items() if k in spec.reader})
+            res = runner.run_raylazy(model_dir, tp, options, None if placement == "node" else active, verify, disk)
             e2e.append(res["e2e_s"])
             e2e_cpu.append(res["e2e_cpu_s"])
+        part_procs = sum(m["read_bytes"] for m in res["ranks"]) + res["driver_read_bytes"]
+        part_pulled = res["disk"].bytes + res["driver_read_bytes"] if res["disk"] else part_procs
         for m in res["ranks"]:
             n = needs[m["rank"]]
             m.update(need_exact=n["exact"], need_pages=n["pages"])
+            if placement != "node":  # the rank was alone
+                m["pulled_bytes"] = part_pulled
+        if res["disk"]:
+            dev = res["disk"] if dev is None else dev + res["disk"]
+        pulled, procs = pulled + part_pulled, procs + part_procs
         ranks += res["ranks"]
         checks.update(res["checksums"] or {})
     if placement == "node":
@@ -302,7 +337,10 @@ def one_run(loader, tp, placement, cache, index, files, total_pages, groups, mod
         "loader": loader, "tp": tp, "placement": placement, "cache": cache, "run": index,
         "wall_s": wall, "e2e_s": max(e2e) if e2e else None, "e2e_cpu_s": sum(e2e_cpu) if e2e_cpu else None,
         "cpu_s": sum(m["cpu_s"] for m in ranks),
-        "read_bytes": sum(m["read_bytes"] for m in ranks), "rchar": sum(m["rchar"] for m in ranks),
+        "pulled_bytes": pulled, "procs_read_bytes": procs,
+        "dev_read_bytes": dev.bytes if dev else None, "dev_requests": dev.requests if dev else None,
+        "dev_merged": dev.merged if dev else None, "dev_mean_request": dev.mean_request if dev else None,
+        "rchar": sum(m["rchar"] for m in ranks),
         "need_exact": sum(n["exact"] for n in needs), "need_pages": need_pages,
         "resident_before": max(resident) if cache == "cold" else min(resident), "load1": load1,
         "others_cores_before": max(others) if others else None, "gate_waited_s": waited,
@@ -317,7 +355,13 @@ def _progress(rec: dict, elapsed: float) -> str:
         f", others {rec['others_cores_before']:.2f} cores before, waited {rec['gate_waited_s']:.0f} s"
     return (f"[{elapsed:6.0f} s] tp={rec['tp']} {rec['placement']:<13} {rec['cache']:<4} run {rec['run']} "
             f"{rec['loader']:<15} wall {rec['wall_s']:6.2f} s{e2e} cpu {rec['cpu_s']:5.1f} s "
-            f"pulled {rec['read_bytes'] / 1e9:5.2f} GB{ok} (load {rec['load1']:.1f}{others})")
+            f"pulled {rec['pulled_bytes'] / 1e9:5.2f} GB{_requests(rec)}{ok} (load {rec['load1']:.1f}{others})")
+
+
+def _requests(rec: dict) -> str:
+    if rec["dev_mean_request"] is None:
+        return ""
+    return f" in {rec['dev_requests']} requests of {rec['dev_mean_request'] / 1024:.0f} KiB"
 
 
 if __name__ == "__main__":

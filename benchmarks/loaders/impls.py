@@ -18,11 +18,28 @@ import hashlib
 import os
 import resource
 import time
+from dataclasses import asdict, dataclass
 
-#: Loaders that run in benchmark-owned rank processes (worker.py); the raylazy ones run in Ray actors.
+
+@dataclass(frozen=True)
+class RayLoader:
+    """A raylazy row: one `raylazy.load(dir, tp, device="cpu", **options)` per run, fresh actors each time.
+
+    `reader`: which of the command's reader settings (threads, chunk_bytes, max_gap) it takes.
+    """
+
+    options: dict
+    reader: tuple[str, ...] = ("max_gap",)
+
+
+#: Loaders that run in benchmark-owned rank processes (worker.py), started once per tp, all of a run's ranks
+#: told to start at once; the raylazy ones run in the Ray actors `raylazy.load` starts.
 PROCESS_LOADERS = ("naive", "lazy", "fastsafetensors", "runai", "raw")
-RAY_LOADERS = ("raylazy-ranged", "raylazy-fst")
-ALL_LOADERS = PROCESS_LOADERS[:4] + RAY_LOADERS + ("raw",)
+RAY_LOADERS = {
+    "raylazy-ranged": RayLoader({"backend": "ranged"}, ("threads", "chunk_bytes", "max_gap")),
+    "raylazy-fst": RayLoader({"backend": "fastsafetensors", "nogds": True}),
+}
+ALL_LOADERS = PROCESS_LOADERS[:4] + tuple(RAY_LOADERS) + ("raw",)
 
 RAW_CHUNK = 16 << 20
 
@@ -248,9 +265,14 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def measured(fn) -> tuple[object, dict]:
-    """fn() with the rank's wall/CPU time, storage bytes and exact peak RSS around it."""
+def measured(fn, disk=None) -> tuple[object, dict]:
+    """fn() with the rank's wall/CPU time, storage bytes and exact peak RSS around it.
+
+    `disk` (diskstats.Device or None): its read counters when the rank starts ("disk_start"); the driver
+    subtracts the earliest rank's from the counters once the run is over (runner.node_reads).
+    """
     reset = reset_peak_rss()
+    disk_start = disk.reads() if disk else None
     before = snapshot()
     result = fn()
     after = snapshot()
@@ -266,6 +288,7 @@ def measured(fn) -> tuple[object, dict]:
         "anon_before": before["anon"],
         "rss_before": before["rss"],
         "peak_rss": peak,
+        "disk_start": asdict(disk_start) if disk_start else None,
     }
 
 

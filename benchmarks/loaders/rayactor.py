@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from raylazy.actor import RankLoader
 from raylazy.io.common import ReadStats
 
+from .diskstats import Device
 from .impls import checksums, measured
 
 
@@ -30,15 +31,16 @@ class BenchRankLoader(RankLoader):
     pid_dir: str | None = None
 
     def __init__(self, rank: int, device: str = "auto"):
-        super().__init__(rank, device)
-        if self.pid_dir:
+        if self.pid_dir:  # first, so the sampler watches the process from its start (a tiny load is over in ms)
             with open(os.path.join(self.pid_dir, str(rank)), "w") as fh:
                 fh.write(str(os.getpid()))
+        super().__init__(rank, device)
 
     def load(self, plan, options) -> BenchStats:
         if self.active is not None and plan.rank not in self.active:
             return BenchStats(backend=options.backend, device=self.info_.device)
-        stats, m = measured(lambda: RankLoader.load(self, plan, options))
+        disk = Device([f.uri for f in plan.files])
+        stats, m = measured(lambda: RankLoader.load(self, plan, options), disk if disk.name else None)
         m.update(rank=plan.rank, shard_bytes=sum(t.nbytes for t in plan.tensors), tensors=len(plan.tensors),
                  anon_base=m["anon_before"])  # a fresh actor per load: torch is imported, nothing else held
         return BenchStats(**asdict(stats), bench=m)

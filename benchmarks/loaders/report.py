@@ -7,7 +7,7 @@ import json
 import os
 import statistics
 
-LOADER_ORDER = ("naive", "lazy", "fastsafetensors", "runai", "raylazy-ranged", "raylazy-fst", "raw")
+from .impls import ALL_LOADERS as LOADER_ORDER
 COLORS = {"naive": "#888888", "lazy": "#bbbbbb", "fastsafetensors": "#1f77b4", "runai": "#9467bd",
           "raylazy-ranged": "#d62728", "raylazy-fst": "#ff9896", "raw": "#2ca02c"}
 
@@ -33,14 +33,18 @@ def aggregate(records: list[dict]) -> list[dict]:
         walls = [r["wall_s"] for r in recs]
         e2e = [r["e2e_s"] for r in recs if r.get("e2e_s") is not None]
         ranks = [rk for r in recs for rk in r["ranks"]]
-        per_rank_amp = [rk["read_bytes"] / rk["need_pages"] for rk in ranks if rk.get("need_pages")]
         row = {
             "loader": loader, "tp": tp, "placement": placement, "cache": cache, "runs": len(recs),
             "wall_s": _med(walls), "wall_min_s": min(walls), "wall_max_s": max(walls),
             "e2e_s": _med(e2e), "e2e_min_s": min(e2e) if e2e else None, "e2e_max_s": max(e2e) if e2e else None,
             "e2e_cpu_s": _med([r.get("e2e_cpu_s") for r in recs]),
             "cpu_s": _med([r["cpu_s"] for r in recs]),
-            "pulled_bytes": _med([r["read_bytes"] for r in recs]),
+            "pulled_bytes": _med([r["pulled_bytes"] for r in recs]),
+            "pulled_from": "diskstats" if recs[0]["dev_read_bytes"] is not None else "read_bytes",
+            "dev_requests": _med([r["dev_requests"] for r in recs]),
+            "dev_merged": _med([r["dev_merged"] for r in recs]),
+            "mean_request_bytes": _med([r["dev_mean_request"] for r in recs]),
+            "procs_read_bytes": _med([r["procs_read_bytes"] for r in recs]),
             "rchar_bytes": _med([r["rchar"] for r in recs]),
             "need_exact_bytes": recs[0]["need_exact"],
             "need_pages_bytes": recs[0]["need_pages"],
@@ -61,8 +65,8 @@ def aggregate(records: list[dict]) -> list[dict]:
             for rk in ranks)
         row["amp"] = row["pulled_bytes"] / row["need_pages_bytes"] if row["need_pages_bytes"] else None
         row["amp_exact"] = row["pulled_bytes"] / row["need_exact_bytes"] if row["need_exact_bytes"] else None
-        row["amp_rank_max"] = _med([max(rk["read_bytes"] / rk["need_pages"] for rk in r["ranks"]) for r in recs]) \
-            if placement != "node" and per_rank_amp else None
+        row["amp_rank_max"] = _med([max(rk["pulled_bytes"] / rk["need_pages"] for rk in r["ranks"]) for r in recs]) \
+            if placement != "node" else None
         row["gbps"] = row["need_exact_bytes"] / row["wall_s"] / 1e9 if row["wall_s"] else None
         rows.append(row)
     for row in rows:  # ratios within the same scenario of the same run
@@ -90,9 +94,14 @@ def _x(v, digits=2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _kib(n) -> str:
+    return "-" if n is None else f"{n / 1024:.0f}"
+
+
 def table(rows: list[dict]) -> str:
     head = ("loader", "tp", "placement", "cache", "wall s med [min-max]", "e2e s", "GB/s", "CPU s", "pulled GB",
-            "need GB (pages)", "amp", "rank amp", "RSS/rank GB", "USS/rank GB", "anon+/rank GB",
+            "req KiB", "procs' rb GB", "need GB (pages)", "amp", "rank amp", "RSS/rank GB", "USS/rank GB",
+            "anon+/rank GB",
             "shard/rank GB", "x naive", "x raw", "check")
     lines = [head]
     for r in rows:
@@ -100,6 +109,7 @@ def table(rows: list[dict]) -> str:
             r["loader"], str(r["tp"]), r["placement"], r["cache"],
             f"{r['wall_s']:.2f} [{r['wall_min_s']:.2f}-{r['wall_max_s']:.2f}]",
             _x(r["e2e_s"]), _x(r["gbps"]), _x(r["cpu_s"], 1), format_bytes(r["pulled_bytes"]),
+            _kib(r["mean_request_bytes"]), format_bytes(r["procs_read_bytes"]),
             f"{format_bytes(r['need_exact_bytes'])} ({format_bytes(r['need_pages_bytes'])})",
             _x(r["amp"]), _x(r["amp_rank_max"]), format_bytes(r["peak_rss_per_rank"]), format_bytes(r["peak_uss_per_rank"]),
             format_bytes(r["peak_anon_extra_per_rank"]), format_bytes(r["shard_bytes_per_rank"]),
@@ -117,8 +127,8 @@ def table(rows: list[dict]) -> str:
 def markdown(rows: list[dict], select=None) -> str:
     """A Markdown table of the headline columns (rows filtered by `select`)."""
     head = ["loader", "tp", "placement", "cache", "wall s (median [min-max])", "e2e s", "CPU s",
-            "pulled GB", "amp", "rank amp", "private GB/rank", "- shard MB", "USS GB/rank", "x naive", "x raw",
-            "check"]
+            "pulled GB", "req KiB", "procs' rb GB", "amp", "rank amp", "private GB/rank", "- shard MB", "USS GB/rank",
+            "x naive", "x raw", "check"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if select and not select(r):
@@ -126,7 +136,8 @@ def markdown(rows: list[dict], select=None) -> str:
         out.append("| " + " | ".join([
             r["loader"], str(r["tp"]), r["placement"], r["cache"],
             f"{r['wall_s']:.2f} [{r['wall_min_s']:.2f}-{r['wall_max_s']:.2f}]", _x(r["e2e_s"]), _x(r["cpu_s"], 1),
-            format_bytes(r["pulled_bytes"]), _x(r["amp"]), _x(r["amp_rank_max"]), format_bytes(r["peak_anon_extra_per_rank"]),
+            format_bytes(r["pulled_bytes"]), _kib(r["mean_request_bytes"]), format_bytes(r["procs_read_bytes"]),
+            _x(r["amp"]), _x(r["amp_rank_max"]), format_bytes(r["peak_anon_extra_per_rank"]),
             f"{r['private_over_shard_per_rank'] / 1e6:.0f}", format_bytes(r["peak_uss_per_rank"]),
             _x(r["wall_vs_naive"]), _x(r["wall_vs_raw"]), r["verified"],
         ]) + " |")

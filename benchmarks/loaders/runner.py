@@ -17,6 +17,7 @@ import threading
 import time
 
 from . import impls
+from .diskstats import Reads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,10 +138,24 @@ class ProcessRanks:
             m.close()
 
 
-def run_process(group: ProcessRanks, ranks: list[int], verify: bool) -> dict:
+def node_reads(disk, ranks: list[dict]):
+    """What `disk` served from the first rank's start (its "disk_start") until now, once no read is in flight.
+
+    The window is the ranks' loading, so actor start-up and other processes' reads around it stay out.
+    """
+    starts = [m["disk_start"] for m in ranks if m.get("disk_start")]
+    if disk is None or not starts:
+        return None
+    first = Reads(**{k: min(s[k] for s in starts) for k in starts[0]})  # the counters only grow
+    return disk.settled_reads() - first
+
+
+def run_process(group: ProcessRanks, ranks: list[int], verify: bool, disk=None) -> dict:
+    """`ranks` of `group` load at once; `disk` (a diskstats.Device): the node's reads while they did, in "disk"."""
     sampler = Sampler(lambda: [group.pids[r] for r in ranks]).start()
     try:
         replies = group.send(ranks, "run")
+        dev = node_reads(disk, replies)
     finally:
         peaks = sampler.stop()
     checks = None
@@ -149,7 +164,7 @@ def run_process(group: ProcessRanks, ranks: list[int], verify: bool) -> dict:
     group.send(ranks, "free")
     for m in replies:
         m.update({f"sampled_{k}": v for k, v in peaks.get(m["pid"], {}).items()})
-    return {"ranks": replies, "checksums": checks}
+    return {"ranks": replies, "checksums": checks, "disk": dev, "driver_read_bytes": 0}
 
 
 # --- raylazy through raylazy.load ----------------------------------------------------------------
@@ -174,9 +189,10 @@ def init_ray(num_cpus: int) -> bool:
     return True
 
 
-def run_raylazy(model_dir: str, tp: int, backend: str, active: list[int] | None, verify: bool,
-                reader: dict | None = None) -> dict:
-    """One raylazy.load; `active` ranks read (None: all), the others' actors start but sit the load out."""
+def run_raylazy(model_dir: str, tp: int, options: dict, active: list[int] | None, verify: bool, disk=None) -> dict:
+    """One raylazy.load(model_dir, tp, device="cpu", **options); `active` ranks read (None: all), the others'
+    actors start but sit the load out. `disk`: the node's reads while the ranks loaded, in "disk"; the
+    driver's own (its planning reads the headers) in "driver_read_bytes"."""
     import psutil
     import ray
     import raylazy
@@ -196,17 +212,16 @@ def run_raylazy(model_dir: str, tp: int, backend: str, active: list[int] | None,
                     pass
         return out
 
-    options = dict(reader or {})
-    if backend == "fastsafetensors":
-        options.setdefault("nogds", True)
     sampler = Sampler(pids).start()
+    io0 = impls.proc_io()["read_bytes"]
     cpu0, t0 = time.process_time(), time.monotonic()
     try:
-        loaded = raylazy.load(model_dir, tp, backend=backend, device="cpu", use_gpu=False, progress=False,
+        loaded = raylazy.load(model_dir, tp, device="cpu", use_gpu=False, progress=False,
                               actor_cls=configured(active, pid_dir), **options)
     finally:
         e2e = time.monotonic() - t0
         driver_cpu = time.process_time() - cpu0
+        driver_read = impls.proc_io()["read_bytes"] - io0  # planning: the headers, before the ranks start
         peaks = sampler.stop()
     try:
         ranks = []
@@ -217,6 +232,7 @@ def run_raylazy(model_dir: str, tp: int, backend: str, active: list[int] | None,
             m = dict(m, reader_seconds=s.seconds, staging_bytes=s.staging_bytes, requests=s.requests)
             m.update({f"sampled_{k}": v for k, v in peaks.get(m["pid"], {}).items()})
             ranks.append(m)
+        dev = node_reads(disk, ranks)
         actor_cpu = 0.0
         for info in loaded.ranks:
             try:
@@ -236,7 +252,8 @@ def run_raylazy(model_dir: str, tp: int, backend: str, active: list[int] | None,
     for name in os.listdir(pid_dir):
         os.unlink(os.path.join(pid_dir, name))
     os.rmdir(pid_dir)
-    return {"ranks": ranks, "checksums": checks, "e2e_s": e2e, "e2e_cpu_s": driver_cpu + actor_cpu}
+    return {"ranks": ranks, "checksums": checks, "e2e_s": e2e, "e2e_cpu_s": driver_cpu + actor_cpu, "disk": dev,
+            "driver_read_bytes": driver_read}
 
 
 def _wait_gone(pids: list[int], timeout_s: float = 20.0) -> None:

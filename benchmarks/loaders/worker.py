@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
     try:
         from . import impls
         from .checkpoint import checkpoint_files
+        from .diskstats import Device
         from raylazy.plans import Plan
 
         impls.preload(loader)
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
         with open(plan_path) as fh:
             rank_plan = Plan.from_json(fh.read()).ranks[rank]
         files = checkpoint_files(model_dir)
+        disk = Device(files)
         fn = impls.LOADERS[loader]
     except BaseException as e:  # noqa: BLE001
         say({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
@@ -51,7 +53,7 @@ def main(argv: list[str]) -> int:
             if cmd == "run":
                 shards = {}
                 gc.collect()
-                shards, m = impls.measured(lambda: fn(torch, rank_plan, files))
+                shards, m = impls.measured(lambda: fn(torch, rank_plan, files), disk if disk.name else None)
                 m.update(rank=rank, shard_bytes=impls.shard_bytes(shards), tensors=len(shards),
                          anon_base=base.get("RssAnon", 0))
                 say(m)
