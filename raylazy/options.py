@@ -16,6 +16,8 @@ QUEUE_SIZE_ENV = "RAYLAZY_FASTSAFETENSORS_QUEUE_SIZE"
 
 #: Largest window of a shard one read job fills (bytes).
 DEFAULT_CHUNK_BYTES = 16 << 20
+#: Largest stripe a node's reader reads in one request (cooperative reads).
+DEFAULT_STRIPE_BYTES = 16 << 20
 
 
 def validated(model_cls: type[M], **kwargs: Any) -> M:
