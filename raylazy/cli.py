@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("load", help="load a checkpoint on Ray, one actor per rank, and print the summary")
     p.add_argument("model_dir", nargs="?", help="model directory (default: generate a small Llama-shaped one)")
     _planning_args(p)
-    p.add_argument("--backend", choices=["ranged", "fastsafetensors"], default="ranged")
+    p.add_argument("--backend", choices=["auto", "ranged", "cooperative", "fastsafetensors"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--queue-size", type=int, default=None)
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")

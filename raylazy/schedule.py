@@ -137,6 +137,15 @@ def group_by_node(node_ids: Sequence[str]) -> NodeGroups:
 # --- cooperative reads: one node's stripes and each rank's keeps ---------------------------------------
 
 
+@dataclass(frozen=True)
+class NodeTask:
+    """What the driver gives each rank of a node for a cooperative load: the node's schedule, and the load's id
+    (unique per load; it names the node's shared ready map)."""
+
+    load_id: str
+    schedule: NodeSchedule
+
+
 class Keep(NamedTuple):
     """Rows (or bytes, for a contiguous read) `part` of a read of rank `rank`'s shard number `tensor` (an index
     into its RankPlan.tensors), all inside stripe `stripe` (an index into the node's stripes)."""
