@@ -74,7 +74,8 @@ class RankLoader:
         self._shards, self._progress = None, Counter()
         from .io.backends import get_backend
 
-        shards, stats = get_backend(options.backend).read(plan, self.info_.device, options=options,
+        backend = options.backend if options.backend != "auto" else "cooperative" if node else "ranged"
+        shards, stats = get_backend(backend).read(plan, self.info_.device, options=options,
                                                           on_progress=self._progress.add,
                                                           **({"node": node} if node is not None else {}))
         self._shards = shards

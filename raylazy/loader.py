@@ -151,7 +151,7 @@ def load(
         check_backend(opts.reader.backend, plan.ranks)
         ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
         nodes = group_by_node([info.node_id for info in ranks])
-        readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan) for r in ranks]
+        readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
         if any(r.backend == "cooperative" for r in readers):
             plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
         load_id = uuid.uuid4().hex[:16]
@@ -166,10 +166,10 @@ def load(
     return loaded
 
 
-def _rank_reader(reader, ranks_on_node: int, device: str, plan: Plan):
+def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple = ()):
     """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
     sharing its node with other ranks must not use GDS."""
-    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, plan.files)})
+    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files)})
     if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
         return reader.model_copy(update={"nogds": True})
     return reader

@@ -138,33 +138,36 @@ def test_load_with_backend_ranged_keeps_the_ranged_reader(qwen2_dir, ray_local):
         check_loaded(loaded, qwen2_dir)
 
 
-class DyingReader(raylazy.actor.RankLoader):
-    """Rank 1's process dies on its first load (a marker file says it did); its restart loads normally."""
+def dying_reader(marker: str) -> type:
+    """A RankLoader class whose rank 1 process dies on its first load (writing `marker`); its restart loads normally.
+    (Defined in a function so that Ray ships the class by value.)"""
 
-    marker = ""
+    class DyingReader(raylazy.actor.RankLoader):
+        def load(self, plan, options, node=None):
+            if self.info_.rank == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+            return super().load(plan, options, node)
 
-    def load(self, plan, options, node=None):
-        if self.info_.rank == 1 and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os._exit(1)
-        return super().load(plan, options, node)
+    return DyingReader
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("retries", (0, 2))
 def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, tmp_path, retries):
-    cls = type("Dying", (DyingReader,), {"marker": str(tmp_path / "died")})
+    marker = str(tmp_path / "died")
+    cls = dying_reader(marker)
     t0 = time.monotonic()
     if retries:
         with raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=retries,
                           stripe_bytes=8192) as loaded:
-            assert os.path.exists(cls.marker)
+            assert os.path.exists(marker)
             check_loaded(loaded, llama_dir)
     else:
         with pytest.raises(RankFailedError) as info:
             raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=0,
                          stripe_timeout_s=20)
-        assert 1 in info.value.failures
+        assert 1 in info.value.failures and os.path.exists(marker)
     assert time.monotonic() - t0 < 120
 
 
