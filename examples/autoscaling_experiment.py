@@ -165,9 +165,9 @@ class TimedRankLoader(RankLoader):
         self.ready_at = time.time()    # torch imported, device resolved
         self.read_span = (None, None)
 
-    def load(self, plan, options):
+    def load(self, plan, options, node=None):
         start = time.time()
-        stats = super().load(plan, options)
+        stats = super().load(plan, options, node)
         self.read_span = (start, time.time())
         return stats
 

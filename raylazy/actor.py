@@ -16,6 +16,7 @@ from .errors import NoShardsError
 from .io.common import Counter, ReadStats
 from .options import ReaderOptions
 from .plans import RankPlan
+from .schedule import NodeTask
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,16 @@ class RankLoader:
         """Bytes of shard data loaded so far by the current load."""
         return self._progress.value
 
-    def load(self, plan: RankPlan, options: ReaderOptions) -> ReadStats:
-        """Read this rank's shards onto its device. On failure nothing is kept."""
+    def load(self, plan: RankPlan, options: ReaderOptions, node: NodeTask | None = None) -> ReadStats:
+        """Read this rank's shards onto its device (with its node's other ranks, given `node`, for the
+        cooperative backend). On failure nothing is kept."""
         self._shards, self._progress = None, Counter()
         from .io.backends import get_backend
 
-        shards, stats = get_backend(options.backend).read(plan, self.info_.device, options=options,
-                                                          on_progress=self._progress.add)
+        backend = options.backend if options.backend != "auto" else "cooperative" if node else "ranged"
+        shards, stats = get_backend(backend).read(plan, self.info_.device, options=options,
+                                                          on_progress=self._progress.add,
+                                                          **({"node": node} if node is not None else {}))
         self._shards = shards
         return stats
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 import tempfile
 
-from .errors import RaylazyError
+from .errors import ConfigurationError, RaylazyError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,11 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model_dir", help="model directory, or a model id (org/name[@revision]) in the local Hugging Face cache")
     _planning_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH ('-' for stdout)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                   help="schedule cooperative reads for N ranks per node (default: all ranks on one node)")
+    p.add_argument("--stripe-bytes", type=int, default=None, help="largest stripe a node's reader reads at once")
 
     p = sub.add_parser("load", help="load a checkpoint on Ray, one actor per rank, and print the summary")
     p.add_argument("model_dir", nargs="?", help="model directory (default: generate a small Llama-shaped one)")
     _planning_args(p)
-    p.add_argument("--backend", choices=["ranged", "fastsafetensors"], default="ranged")
+    p.add_argument("--backend", choices=["auto", "ranged", "cooperative", "fastsafetensors"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--queue-size", type=int, default=None)
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
@@ -56,6 +59,10 @@ def _plan(args) -> int:
 
     plan = make_plan(args.model_dir, args.tp, rules=_rules(args), preset=args.preset, uneven=args.uneven,
                      max_gap=args.max_gap)
+    per_node = args.ranks_per_node or plan.tp
+    if per_node < 1:
+        raise ConfigurationError(f"--ranks-per-node must be at least 1, got {per_node}")
+    plan = plan.for_nodes([f"node{r // per_node}" for r in range(plan.tp)], args.stripe_bytes)
     if args.json == "-":
         print(plan.to_json())
         return 0

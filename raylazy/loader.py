@@ -12,13 +12,14 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actor import RankInfo, RankLoader
 from .errors import ConfigurationError
 from .group import RankGroup
-from .io.backends import check_backend
+from .io.backends import backend_for, check_backend
 from .io.common import ReadStats
 from .options import LoadOptions, load_options
 from .mesh import Mesh
@@ -26,6 +27,7 @@ from .placement import check_placeable, ensure_ray, rank_bundles
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
+from .schedule import NodeTask, group_by_node
 
 log = logging.getLogger("raylazy")
 
@@ -96,7 +98,7 @@ class LoadedModel:
         reading = max((s.seconds for s in self.stats), default=0.0)
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp} "
-            f"backend={self.options.reader.backend} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
+            f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} "
             f"({format_bytes(read - needed)} beyond the needed)"
@@ -121,7 +123,7 @@ def load(
     mesh: Mesh | None = None,
     rules: RulesLike | None = None,
     device: str = "auto",
-    backend: str = "ranged",
+    backend: str = "auto",
     actor_cls: type = RankLoader,
     **options: Any,
 ) -> LoadedModel:
@@ -129,10 +131,11 @@ def load(
     (default 1; or a `mesh`): each rank's actor reads only its byte ranges onto its device.
 
     rules: sharding rules before the preset (see `raylazy.rules`). device: "auto" (the GPU Ray gives the
-    rank, else the CPU), "cpu" or "cuda". backend: "ranged" or "fastsafetensors". actor_cls: the rank
+    rank, else the CPU), "cpu" or "cuda". backend: "auto" (cooperative for CPU ranks sharing a node, else
+    ranged), "ranged", "cooperative" or "fastsafetensors". actor_cls: the rank
     actor's class, `RankLoader` or a subclass. Options (validated before anything starts; see
     `raylazy.options`, a ConfigurationError otherwise): preset, uneven, max_gap (PlanOptions); queue_size,
-    threads, chunk_bytes, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy, autoscale,
+    threads, chunk_bytes, stripe_bytes, stripe_timeout_s, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy, autoscale,
     placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
     Joins the Ray in use (or RAY_ADDRESS, or one running on this machine), else starts a local one.
     """
@@ -146,10 +149,14 @@ def load(
     try:
         plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
         check_backend(opts.reader.backend, plan.ranks)
-        group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        nodes = group.nodes
-        loads = [a.load.remote(rp, _rank_reader(opts.reader, len(nodes.peers(rp.rank))))
-                 for a, rp in zip(group.actors, plan.ranks)]
+        ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
+        nodes = group_by_node([info.node_id for info in ranks])
+        readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
+        if any(r.backend == "cooperative" for r in readers):
+            plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
+        load_id = uuid.uuid4().hex[:16]
+        loads = [a.load.remote(rp, reader, NodeTask(load_id, plan.node_of(rp.rank)) if reader.backend == "cooperative"
+                               else None) for a, rp, reader in zip(group.actors, plan.ranks, readers)]
         stats = _wait_with_progress(group, loads, plan, opts)
     except BaseException:
         group.release()
@@ -159,8 +166,10 @@ def load(
     return loaded
 
 
-def _rank_reader(reader, ranks_on_node: int):
-    """fastsafetensors with nogds=None: a rank sharing its node with other ranks must not use GDS."""
+def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple = ()):
+    """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
+    sharing its node with other ranks must not use GDS."""
+    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files)})
     if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
         return reader.model_copy(update={"nogds": True})
     return reader

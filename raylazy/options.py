@@ -16,6 +16,8 @@ QUEUE_SIZE_ENV = "RAYLAZY_FASTSAFETENSORS_QUEUE_SIZE"
 
 #: Largest window of a shard one read job fills (bytes).
 DEFAULT_CHUNK_BYTES = 16 << 20
+#: Largest stripe a node's reader reads in one request (cooperative reads).
+DEFAULT_STRIPE_BYTES = 16 << 20
 
 
 def validated(model_cls: type[M], **kwargs: Any) -> M:
@@ -69,14 +71,20 @@ class ReaderOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    backend: Literal["ranged", "fastsafetensors"] = "ranged"
+    #: "auto": cooperative for CPU ranks that share a node with other ranks (local files), else ranged.
+    backend: Literal["auto", "ranged", "cooperative", "fastsafetensors"] = "auto"
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
     queue_size: int = Field(0, ge=-1, le=64)
-    #: Threads issuing positional reads in each rank (ranged backend).
+    #: Threads issuing positional reads in each rank (ranged; cooperative: stripe reader threads).
     threads: int = Field(4, ge=1, le=64)
     #: Largest window of a shard one read job fills; staging buffers have this size (ranged).
     chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
+    #: cooperative: largest stripe a node's reader reads in one request; each reader thread stages one stripe,
+    #: so a rank's staging is at most threads x stripe_bytes.
+    stripe_bytes: int = Field(DEFAULT_STRIPE_BYTES, ge=4096)
+    #: cooperative: a keeper waiting this long with no stripe of its becoming ready fails (its reader died).
+    stripe_timeout_s: float = Field(300.0, gt=0)
     #: fastsafetensors: None tries GPUDirect Storage when alone on a node, else nogds.
     nogds: Optional[bool] = None
 

@@ -9,7 +9,7 @@ reader fetches the whole span (gaps included) in one request and keeps the rows.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -141,8 +141,39 @@ class RankPlan(_Frozen):
         )
 
 
+class Stripe(NamedTuple):
+    """Bytes [start, end) of plan file `file`, read once on its node by global rank `reader`."""
+
+    file: int
+    start: int
+    end: int
+    reader: int
+
+
+class NodeSchedule(_Frozen):
+    """One node's cooperative reads (`raylazy.schedule.node_schedule`): the page-rounded, coalesced union of
+    the bytes its ranks need, cut into `stripes` of at most `stripe_bytes`, each read once by one of its
+    `ranks` (global ranks; the local rank is the index). Stripes are sorted by (file, start) and disjoint;
+    each reader's stripes are one contiguous run of the union, so it reads sequentially."""
+
+    node: str
+    ranks: tuple[int, ...]
+    stripe_bytes: int
+    stripes: tuple[Stripe, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the node reads from storage (the page-rounded union)."""
+        return sum(s.end - s.start for s in self.stripes)
+
+    def read_by(self, rank: int) -> tuple[int, ...]:
+        """Indices of the stripes `rank` reads, in order."""
+        return tuple(i for i, s in enumerate(self.stripes) if s.reader == rank)
+
+
 class Plan(_Frozen):
-    """The whole load: one RankPlan per rank, plus what was planned from and skipped."""
+    """The whole load: one RankPlan per rank, plus what was planned from and skipped; `nodes`, when
+    scheduled (`for_nodes`), holds each node's cooperative reads."""
 
     root: str
     model_type: Optional[str]
@@ -153,10 +184,25 @@ class Plan(_Frozen):
     files: tuple[FileRef, ...]
     skipped: tuple[str, ...]
     ranks: tuple[RankPlan, ...]
+    nodes: tuple[NodeSchedule, ...] = ()
 
     @property
     def tp(self) -> int:
         return self.mesh.tp
+
+    def for_nodes(self, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0) -> "Plan":
+        """A copy with one NodeSchedule per node, `node_ids[r]` being the node rank r runs on (see
+        `raylazy.schedule.node_schedule` for stripe_bytes and max_gap)."""
+        from .schedule import node_schedules
+
+        return self.model_copy(update={"nodes": node_schedules(self, node_ids, stripe_bytes, max_gap)})
+
+    def node_of(self, rank: int) -> NodeSchedule:
+        """The schedule of the node holding `rank` (KeyError if the plan has none for it)."""
+        for n in self.nodes:
+            if rank in n.ranks:
+                return n
+        raise KeyError(f"rank {rank} is on no scheduled node: call plan.for_nodes(...) first")
 
     @property
     def bytes_needed(self) -> int:
@@ -203,6 +249,22 @@ class Plan(_Frozen):
 
         return pd.DataFrame(self.to_rows())
 
+    def node_rows(self) -> list[dict]:
+        """One dict per stripe of every scheduled node: who reads it and which ranks keep bytes of it."""
+        from .schedule import rank_keeps
+
+        rows = []
+        for n in self.nodes:
+            keepers: dict[int, set[int]] = {}
+            for r in n.ranks:
+                for k in rank_keeps(self, n, r):
+                    keepers.setdefault(k.stripe, set()).add(r)
+            for i, s in enumerate(n.stripes):
+                rows.append({"node": n.node, "stripe": i, "file": os.path.basename(self.files[s.file].uri),
+                             "start": s.start, "end": s.end, "bytes": s.end - s.start, "reader": s.reader,
+                             "keepers": tuple(sorted(keepers.get(i, ())))})
+        return rows
+
     def summary(self) -> str:
         """A per-rank table of bytes, requests and files, as `raylazy plan` prints it."""
         naive = self.checkpoint_bytes
@@ -222,6 +284,13 @@ class Plan(_Frozen):
             f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
             f"whole on every rank would be {self.tp:.0f}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
         )
+        for n in self.nodes:
+            needed = sum(self.ranks[r].stats.bytes_needed for r in n.ranks)
+            lines.append(
+                f"node {n.node}: ranks {','.join(map(str, n.ranks))} read {format_bytes(n.nbytes)} once "
+                f"({n.nbytes / max(needed, 1):.2f}x their needed bytes) in {len(n.stripes)} stripe(s) of at most "
+                f"{format_bytes(n.stripe_bytes)}"
+            )
         return "\n".join(lines)
 
 

@@ -4,16 +4,28 @@ and which ranks share a node. No I/O: built from a plan and tested like one.
 A rank's shards are cut into windows of whole destination rows of at most `chunk_bytes`
 (one row if a row is larger); each window lists the plan's reads clipped to it. An executor
 fills windows independently (in any order, on any thread) into a window-sized buffer
-or straight into the shard. Cooperative reads (issue 17: per-node stripes, who reads which,
-what each rank sends and receives) extend `RankSchedule` here.
+or straight into the shard.
+
+Cooperative reads (issue 17): a node's ranks read the union of the bytes they need once. `node_schedule`
+cuts that union (page-rounded and coalesced, per file) into `Stripe`s of at most `stripe_bytes`; the union
+is split into one contiguous, byte-balanced run per rank of the node, so each reader streams sequentially.
+`rank_keeps` says which bytes of which stripes a rank copies into its shards. Every `Keep` lies inside
+its one stripe: a row of a strided read that crosses a stripe cut is given as a one-row contiguous
+`Read` of the same bytes (count 1), split at the cut, so a keeper needs only that stripe to be ready.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
-from .plans import RankPlan, Read, TensorShard
+from .errors import ConfigurationError
+from .options import DEFAULT_STRIPE_BYTES
+from .plans import NodeSchedule, Plan, RankPlan, Read, Stripe, TensorShard
+
+#: The page size stripes are aligned to.
+PAGE = 4096
 
 
 class Part(NamedTuple):
@@ -120,3 +132,170 @@ def group_by_node(node_ids: Sequence[str]) -> NodeGroups:
         local.append(len(ranks))
         ranks.append(rank)
     return NodeGroups(tuple(node_ids), {n: tuple(r) for n, r in nodes.items()}, tuple(local))
+
+
+# --- cooperative reads: one node's stripes and each rank's keeps ---------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeTask:
+    """What the driver gives each rank of a node for a cooperative load: the node's schedule, and the load's id
+    (unique per load; it names the node's shared ready map)."""
+
+    load_id: str
+    schedule: NodeSchedule
+
+
+class Keep(NamedTuple):
+    """Rows (or bytes, for a contiguous read) `part` of a read of rank `rank`'s shard number `tensor` (an index
+    into its RankPlan.tensors), all inside stripe `stripe` (an index into the node's stripes)."""
+
+    stripe: int
+    rank: int
+    tensor: int
+    part: Part
+
+
+def node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None,
+                   max_gap: int = 0) -> tuple[NodeSchedule, ...]:
+    """One NodeSchedule per node, `node_ids[r]` being the node rank r runs on (nodes in order of their first rank)."""
+    if len(node_ids) != len(plan.ranks):
+        raise ValueError(f"{len(node_ids)} node id(s) for {len(plan.ranks)} rank(s)")
+    return tuple(node_schedule(plan, ranks, node, stripe_bytes or DEFAULT_STRIPE_BYTES, max_gap=max_gap)
+                 for node, ranks in group_by_node(node_ids).nodes.items())
+
+
+def node_schedule(plan: Plan, ranks: Sequence[int], node: str = "node", stripe_bytes: int = DEFAULT_STRIPE_BYTES,
+                  page: int = PAGE, max_gap: int = 0) -> NodeSchedule:
+    """The stripes node `node` reads for its `ranks`: the page-rounded, coalesced union of the bytes they need
+    (each byte once, however many ranks keep it), split into len(ranks) contiguous byte-balanced runs (one per
+    reader, in rank order) and cut into stripes of at most `stripe_bytes` (rounded down to whole pages).
+
+    `max_gap` > 0 also reads gaps of at most that many bytes between needed pages, for fewer, larger stripes
+    (a node holding half of every row of a row-parallel weight: one stripe run instead of one per row)."""
+    if stripe_bytes < page:
+        raise ConfigurationError(f"stripe_bytes must be at least one page ({page}), got {stripe_bytes}")
+    stripe_bytes -= stripe_bytes % page
+    ranks = tuple(ranks)
+    union = node_union(plan, ranks, page, max_gap)
+    total = sum(e - s for spans in union.values() for s, e in spans)
+    stripes: list[Stripe] = []
+    k, done = 0, 0  # the current reader (index into ranks) and the union bytes before the current span
+    for f in sorted(union):
+        for start, end in union[f]:
+            pos = start
+            while pos < end:
+                # the reader's run ends at the next balanced cut, rounded down to a page (not before pos)
+                cut = end
+                if k < len(ranks) - 1:
+                    target = start + (total * (k + 1) // len(ranks) - done)
+                    if target < end:
+                        cut = max(pos, target - target % page)
+                if cut == pos:
+                    k += 1
+                    continue
+                for a in range(pos, cut, stripe_bytes):
+                    stripes.append(Stripe(f, a, min(a + stripe_bytes, cut), ranks[k]))
+                pos = cut
+            done += end - start
+    return NodeSchedule.model_construct(node=node, ranks=ranks, stripe_bytes=stripe_bytes, stripes=tuple(stripes))
+
+
+def node_union(plan: Plan, ranks: Sequence[int], page: int = PAGE, max_gap: int = 0) -> dict[int, list[tuple[int, int]]]:
+    """file -> sorted, disjoint [start, end) spans: the pages holding any byte `ranks` need (ends clipped to
+    the file's size), coalesced where at most `max_gap` bytes apart.
+
+    Strided reads of one tensor's rows from several ranks (same file, row start, stride and count) are
+    merged into one row pattern first; when no gap of the pattern can hold a whole page, its pages are
+    one span, so a row-parallel weight shared by all a node's ranks costs one span, not one per row."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    combs: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+    for rank in ranks:
+        for t in plan.ranks[rank].tensors:
+            for r in t.reads:
+                if r.count == 1 or r.length == r.stride:
+                    spans.setdefault(r.file, []).append((r.offset, r.offset + r.span))
+                    continue
+                x = (r.offset - t.offset) % r.stride
+                if x + r.length > r.stride:  # rows not within the tensor's rows: a pattern of its own
+                    x = 0
+                combs.setdefault((r.file, r.offset - x, r.stride, r.count), []).append((x, r.length))
+    for (f, base, stride, count), pieces in combs.items():
+        pattern = _coalesce([(x, x + n) for x, n in pieces], 0)
+        gaps = [b[0] - a[1] for a, b in zip(pattern, pattern[1:])] + [stride - pattern[-1][1] + pattern[0][0]]
+        if max(gaps) < max(page, max_gap + 1):  # every page from the first needed byte to the last is read
+            spans.setdefault(f, []).append((base + pattern[0][0], base + (count - 1) * stride + pattern[-1][1]))
+        else:
+            spans.setdefault(f, []).extend(_rows(base, stride, count, pattern, page))
+    return {f: _coalesce([(a - a % page, min(-(-b // page) * page, plan.files[f].size)) for a, b in s], max_gap)
+            for f, s in spans.items()}
+
+
+def _rows(base: int, stride: int, count: int, pattern: list[tuple[int, int]], page: int) -> list[tuple[int, int]]:
+    """The page-rounded spans of `count` rows of `pattern`, merged where they touch (numpy: rows can be many)."""
+    import numpy as np
+
+    rows = base + np.arange(count, dtype=np.int64)[:, None] * stride
+    starts = (rows + np.array([a for a, _ in pattern], dtype=np.int64)).ravel()
+    ends = (rows + np.array([b for _, b in pattern], dtype=np.int64)).ravel()
+    starts -= starts % page
+    ends = -(-ends // page) * page
+    new = np.flatnonzero(starts[1:] > ends[:-1]) + 1
+    return list(zip(starts[np.r_[0, new]].tolist(), ends[np.r_[new - 1, len(ends) - 1]].tolist()))
+
+
+def _coalesce(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted spans merged where they overlap or are at most `gap` bytes apart."""
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def rank_keeps(plan: Plan | RankPlan, sched: NodeSchedule, rank: int | None = None) -> tuple[Keep, ...]:
+    """What `rank` copies out of its node's stripes into its shards, in stripe order: every byte its shards need,
+    exactly once. `plan` is the Plan (then `rank` picks the rank) or the rank's own RankPlan."""
+    rp = plan if isinstance(plan, RankPlan) else plan.ranks[rank]
+    by_file: dict[int, tuple[list[int], list[int]]] = {}  # file -> (stripe starts, stripe indices)
+    for i, s in enumerate(sched.stripes):
+        starts, index = by_file.setdefault(s.file, ([], []))
+        starts.append(s.start)
+        index.append(i)
+    stripes = sched.stripes
+    keeps: list[Keep] = []
+
+    def contiguous(ti: int, r: Read, lo: int, hi: int) -> None:
+        """Keep bytes [lo, hi) of contiguous read `r` (relative to its offset), split at stripe cuts."""
+        starts, index = by_file[r.file]
+        j = bisect_right(starts, r.offset + lo) - 1
+        while lo < hi:
+            s = stripes[index[j]]
+            end = min(hi, s.end - r.offset)
+            keeps.append(Keep(index[j], rp.rank, ti, Part(r, lo, end - lo)))
+            lo, j = end, j + 1
+
+    for ti, t in enumerate(rp.tensors):
+        for r in t.reads:
+            if r.count == 1:
+                contiguous(ti, r, 0, r.length)
+                continue
+            starts, index = by_file[r.file]
+            o, step, n = r.offset, r.stride, r.length
+            j = bisect_right(starts, o) - 1
+            while j < len(starts) and starts[j] < o + r.span:
+                s = stripes[index[j]]
+                first = max(0, -(-(s.start - o) // step))  # rows starting in this stripe ...
+                last = min(r.count, (s.end - 1 - o) // step + 1)
+                whole = min(last, (s.end - n - o) // step + 1)  # ... of which these end in it too
+                if whole > first:
+                    keeps.append(Keep(index[j], rp.rank, ti, Part(r, first, whole - first)))
+                if last > max(first, whole):  # the last row crosses the stripe's end: bytes, cut at the stripes
+                    row = last - 1
+                    one = Read(file=r.file, offset=o + row * step, length=n, dst_offset=r.dst_offset + row * r.dst_stride)
+                    contiguous(ti, one, 0, n)
+                j += 1
+    keeps.sort(key=lambda k: k.stripe)
+    return tuple(keeps)

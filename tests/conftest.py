@@ -74,3 +74,36 @@ def ray_local():
     yield
     if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="class")
+def two_node_cluster(llama_dir):
+    """Two Ray nodes on this machine, each with 2 CPUs and 2 logical GPUs, for one test class (the session's
+    `ray_local` is shut down meanwhile and started again after)."""
+    import logging
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    had_local = ray.is_initialized()
+    if had_local:  # the session's ray_local: this class needs a cluster of its own
+        ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        # Loopback only: the variable for the Ray processes started below; Ray read it into
+        # ray_constants when this process imported ray, so that copy is patched too.
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1", include_dashboard=False),
+        )
+        try:
+            cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    if had_local:
+        ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)

@@ -75,14 +75,18 @@ class RcharLoader(RankLoader):
 
     def __init__(self, rank: int, device: str = "auto"):
         super().__init__(rank, device)
-        import raylazy.io.ranged  # noqa: F401  (imported now, so load() reads no .py files)
+        import raylazy.io.backends  # noqa: F401  (the readers imported now, so load() reads no .py files)
+        import torch
+
+        # torch's CPU thread pool starts (reading /proc and /sys) on its first parallel copy: now, not in load()
+        torch.zeros(1 << 20, dtype=torch.uint8).as_strided((512, 1024), (2048, 1)).clone()
 
         self._rchar: tuple[int, int] | None = None
 
-    def load(self, plan, options):
+    def load(self, plan, options, node=None):
         before, probe = read_rchar()
         try:
-            return super().load(plan, options)
+            return super().load(plan, options, node)
         finally:
             # the bytes of the first probe itself count between the two readings: leave them out
             self._rchar = (before + probe, read_rchar()[0])
@@ -96,9 +100,9 @@ def truncating_loader(path: str, size: int) -> type:
     """A RankLoader class whose load() first truncates `path` to `size` bytes (after planning)."""
 
     class TruncatingLoader(RankLoader):
-        def load(self, plan, options):
+        def load(self, plan, options, node=None):
             os.truncate(path, size)
-            return super().load(plan, options)
+            return super().load(plan, options, node)
 
     return TruncatingLoader
 
@@ -111,33 +115,8 @@ class TestMultiNode:
     """Two Ray nodes on this machine, each with 2 CPUs and 2 logical GPUs."""
 
     @pytest.fixture(scope="class")
-    def cluster(self, llama_dir):
-        from ray.cluster_utils import Cluster
-
-        from conftest import LOCAL_RAY_INIT
-
-        had_local = ray.is_initialized()
-        if had_local:  # the session's ray_local: this class needs a cluster of its own
-            ray.shutdown()
-        with pytest.MonkeyPatch.context() as mp:
-            # Loopback only: the variable for the Ray processes started below; Ray read it into
-            # ray_constants when this process imported ray, so that copy is patched too.
-            mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-            cluster = Cluster(
-                initialize_head=True,
-                head_node_args=dict(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1", include_dashboard=False),
-            )
-            try:
-                cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
-                cluster.wait_for_nodes()
-                ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
-                yield cluster
-            finally:
-                ray.shutdown()
-                cluster.shutdown()
-        if had_local:
-            ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
+    def cluster(self, two_node_cluster):
+        return two_node_cluster
 
     @staticmethod
     def _load_and_check(cluster, llama_dir: str, tp: int, strategy: str) -> list[str]:
@@ -231,17 +210,23 @@ class TestShards:
         assert sizes == [2 * sum(t.numel() for t in s.values()) for s in per_rank]
 
     def test_bytes_read_match_plan(self, case):
-        """rchar of every rank's process over its load() = the planned bytes + the header re-read, within 2%."""
+        """rchar of every rank's process over its load() = the planned bytes (its ranges, or its node's stripes it
+        reads when cooperative) + the header re-read, within 2%."""
         kind, tp, model_dir, loaded = case
         windows = ray.get([a.rchar_window.remote() for a in loaded.actors], timeout=60)
         measured, expected = 0, 0
         for rp, info, (start, end), stats in zip(loaded.plan.ranks, loaded.ranks, windows, loaded.stats):
             assert read_rchar(info.pid)[0] >= end  # the driver sees the same process (actors run locally)
-            used = sorted({r.file for t in rp.tensors for r in t.reads})
+            used = {r.file for t in rp.tensors for r in t.reads}
+            planned = rp.stats.bytes_read
+            if stats.backend == "cooperative":  # the rank reads its node's stripes, not its own ranges
+                node = loaded.plan.node_of(rp.rank)
+                used |= {node.stripes[i].file for i in node.read_by(rp.rank)}
+                planned = sum(node.stripes[i].end - node.stripes[i].start for i in node.read_by(rp.rank))
             headers = sum(header_bytes(loaded.plan.files[i].uri) for i in used)  # open_verified: 8 + N per file
-            assert stats.bytes_read == rp.stats.bytes_read and stats.bytes_needed == rp.stats.bytes_needed
+            assert stats.bytes_read == planned and stats.bytes_needed == rp.stats.bytes_needed
             measured += end - start
-            expected += rp.stats.bytes_read + headers
+            expected += planned + headers
         assert expected > 0
         assert measured >= expected, f"{kind} tp={tp}: ranks read {measured} bytes, fewer than the {expected} planned"
         assert abs(measured - expected) <= 0.02 * expected, (
@@ -393,7 +378,7 @@ def test_rank_read_failure_names_ranks_and_file(llama_dir, ray_local, tmp_path):
     size = os.path.getsize(victim)
     before = live()
     with pytest.raises(RankFailedError) as info:
-        load_with(truncating_loader(victim, size - 1), str(copy), 2, device="cpu", progress=False)
+        load_with(truncating_loader(victim, size - 1), str(copy), 2, device="cpu", progress=False, backend="ranged")
     err = info.value
     assert set(err.failures) == users
     assert "rank(s) " + ", ".join(map(str, sorted(users))) in str(err)
@@ -420,7 +405,7 @@ def test_placement_error_within_timeout(llama_dir, ray_local):
 class SlowLoader(RankLoader):
     """A RankLoader whose positional reads take 10 ms more each, so that a load lasts seconds."""
 
-    def load(self, plan, options):
+    def load(self, plan, options, node=None):
         real = os.preadv
 
         def preadv(*args):
@@ -429,7 +414,7 @@ class SlowLoader(RankLoader):
 
         os.preadv = preadv
         try:
-            return super().load(plan, options)
+            return super().load(plan, options, node)
         finally:
             os.preadv = real
 
@@ -440,7 +425,7 @@ def test_progress_bar_and_summary(llama_dir, ray_local, capfd, caplog):
     from tqdm import tqdm
 
     caplog.set_level(logging.INFO, logger="raylazy")
-    with load_with(SlowLoader, llama_dir, 2, device="cpu", progress=True, threads=1) as loaded:
+    with load_with(SlowLoader, llama_dir, 2, device="cpu", progress=True, threads=1, backend="ranged") as loaded:
         total = loaded.plan.bytes_needed
         assert sum(s.bytes_needed for s in loaded.stats) == total
         reported = ray.get([a.progress.remote() for a in loaded.actors], timeout=60)

@@ -66,11 +66,11 @@ def blocking_loader(marker_dir: str, victims, block_s: float = 300.0, release_fi
     """
 
     class BlockingLoader(RankLoader):
-        def load(self, plan, options):
+        def load(self, plan, options, node=None):
             rank = self.info_.rank
             marker = os.path.join(marker_dir, f"rank{rank}")
             if rank not in victims or os.path.exists(marker):
-                return super().load(plan, options)
+                return super().load(plan, options, node)
             import raylazy.io.ranged as ranged
 
             real, blocked = ranged._Reader.run, threading.Lock()
@@ -92,7 +92,7 @@ def blocking_loader(marker_dir: str, victims, block_s: float = 300.0, release_fi
 
             ranged._Reader.run = run
             try:
-                return super().load(plan, options)
+                return super().load(plan, options, node)
             finally:
                 ranged._Reader.run = real
 
@@ -174,9 +174,9 @@ def faulty_loader(fail_rank: int | None = None, kind: str | None = None, after: 
         def arm(self, fault_kind: str | None, fault_after: int = 0) -> None:
             self._fault = (fault_kind, fault_after)
 
-        def load(self, plan, options):
+        def load(self, plan, options, node=None):
             with preadv_fault(*self._fault):
-                return super().load(plan, options)
+                return super().load(plan, options, node)
 
     return FaultyLoader
 
@@ -339,7 +339,7 @@ def test_rank_killed_mid_load_is_restarted_and_reloads(llama_dir, ray_local, tmp
     before = live()
     killer = _kill_when_blocked(str(tmp_path), victim, killed, stop)
     try:
-        loaded = load_with(blocking_loader(str(tmp_path), {victim}), llama_dir, 2, device="cpu", progress=False,
+        loaded = load_with(blocking_loader(str(tmp_path), {victim}), llama_dir, 2, device="cpu", progress=False, backend="ranged",
                            timeout_s=180)
     finally:
         stop.set()
@@ -370,7 +370,7 @@ def test_rank_killed_without_retries_fails_fast_and_releases(llama_dir, ray_loca
     t0 = time.monotonic()
     try:
         with pytest.raises(RankFailedError) as info:
-            load_with(blocking_loader(str(tmp_path), {victim}), llama_dir, 2, device="cpu", progress=False,
+            load_with(blocking_loader(str(tmp_path), {victim}), llama_dir, 2, device="cpu", progress=False, backend="ranged",
                       max_retries=0, timeout_s=timeout_s)
     finally:
         stop.set()
@@ -392,7 +392,7 @@ def test_read_error_in_a_rank_fails_the_load_and_releases(llama_copy, ray_local)
     plan, rp, fi = _plan_and_file(llama_copy, rank=1)
     before = live()
     with pytest.raises(RankFailedError) as info:
-        load_with(faulty_loader(1, "eio", 3), llama_copy, 2, device="cpu", progress=False)
+        load_with(faulty_loader(1, "eio", 3), llama_copy, 2, device="cpu", progress=False, backend="ranged")
     assert list(info.value.failures) == [1]
     cause = info.value.failures[1]
     assert isinstance(cause, ReadError), repr(cause)
@@ -475,9 +475,9 @@ def _measured(fn):
 class MemoryLoader(RankLoader):
     """Records the baseline and peak RSS of its process around each load."""
 
-    def load(self, plan, options):
+    def load(self, plan, options, node=None):
         self._shards = None
-        stats, base, peak = _measured(lambda: super(MemoryLoader, self).load(plan, options))
+        stats, base, peak = _measured(lambda: super(MemoryLoader, self).load(plan, options, node))
         self._memory = {"base": base, "peak": peak, "staging": stats.staging_bytes,
                         "shard_bytes": sum(t.nbytes for t in plan.tensors)}
         return stats
@@ -511,7 +511,7 @@ def test_rank_peak_rss_stays_within_shards_plus_staging(big_llama, ray_local):
 
     tp = 4
     before = live()
-    loaded = load_with(MemoryLoader, big_llama, tp, device="cpu", progress=False, timeout_s=300)
+    loaded = load_with(MemoryLoader, big_llama, tp, device="cpu", progress=False, backend="ranged", timeout_s=300)
     try:
         chunk = 8 << 20
         staged_opts = ReaderOptions(chunk_bytes=chunk, queue_size=1)
@@ -624,7 +624,7 @@ def test_keyboard_interrupt_while_ranks_read_releases_everything(llama_dir, ray_
     t = _interrupt_when(lambda: read_marker(str(tmp_path), 0), stop, fired)
     try:
         with pytest.raises(KeyboardInterrupt):
-            load_with(blocking_loader(str(tmp_path), {0}), llama_dir, 2, device="cpu", progress=False)
+            load_with(blocking_loader(str(tmp_path), {0}), llama_dir, 2, device="cpu", progress=False, backend="ranged")
     finally:
         stop.set()
         t.join()
@@ -697,7 +697,7 @@ def _node_loss_load(cluster, model_dir: str, work: str, tp: int, timeout_s: floa
     def load():
         try:
             out["loaded"] = load_with(blocking_loader(marker_dir, set(range(tp)), release_file=release), model_dir, tp,
-                                      use_gpu=True, device="cpu", progress=False, timeout_s=timeout_s,
+                                      use_gpu=True, device="cpu", progress=False, timeout_s=timeout_s, backend="ranged",
                                       placement_timeout_s=120)
         except BaseException as e:  # noqa: BLE001
             out["error"] = e

@@ -15,9 +15,12 @@ from raylazy.checkpoint import Checkpoint, ModelConfig
 from raylazy.header import parse_header
 from raylazy.placements import Fused, Replicated, Split
 from raylazy.planner import make_plan
-from raylazy.schedule import RankSchedule, group_by_node, rank_schedule
+from raylazy.errors import ConfigurationError
+from raylazy.plans import Plan
+from raylazy.schedule import (RankSchedule, group_by_node, node_schedule, node_schedules, rank_keeps,
+                              rank_schedule)
 
-from planlib import apply_reads
+from planlib import apply_reads, read_files, read_ranges
 
 
 def _checkpoint(specs: dict) -> tuple[Checkpoint, bytes]:
@@ -188,3 +191,152 @@ def test_group_by_node_one_node_and_empty():
     assert g.nodes == {"n": (0, 1, 2, 3)} and g.local_rank == (0, 1, 2, 3)
     e = group_by_node([])
     assert e.nodes == {} and e.local_rank == () and e.node_of == ()
+
+
+# --- cooperative reads: node stripes and keeps ------------------------------------------------------
+
+
+def _needed_pages(plan, ranks, page: int) -> dict[int, set[int]]:
+    """file -> the pages holding any byte `ranks` need, by brute force over every range of every read."""
+    pages: dict[int, set[int]] = {}
+    for rank in ranks:
+        for t in plan.ranks[rank].tensors:
+            for r in t.reads:
+                for src, _, length in read_ranges(r):
+                    pages.setdefault(r.file, set()).update(range(src // page, (src + length - 1) // page + 1))
+    return pages
+
+
+def _check_node(plan, sched, files: list[bytes], page: int) -> None:
+    """Stripes: sorted, disjoint, aligned, at most stripe_bytes, exactly the page-rounded union, one contiguous
+    byte-balanced run per reader. Keeps: inside their stripe, and executed against the file bytes they fill
+    each rank's shards exactly as its reads do, each needed byte once."""
+    stripes = sched.stripes
+    assert list(stripes) == sorted(stripes, key=lambda s: (s.file, s.start))
+    for a, b in zip(stripes, stripes[1:]):
+        assert (a.file, a.end) <= (b.file, b.start), "stripes overlap"
+    got_pages: dict[int, set[int]] = {}
+    for s in stripes:
+        size = plan.files[s.file].size
+        assert s.start % page == 0 and (s.end % page == 0 or s.end == size) and s.start < s.end <= size
+        assert s.end - s.start <= sched.stripe_bytes and s.reader in sched.ranks
+        got_pages.setdefault(s.file, set()).update(range(s.start // page, -(-s.end // page)))
+    assert got_pages == _needed_pages(plan, sched.ranks, page)
+    assert sched.nbytes == sum(min((p + 1) * page, plan.files[f].size) - p * page
+                               for f, ps in got_pages.items() for p in ps)
+    readers = [s.reader for s in stripes]  # each reader's stripes are one run, readers in rank order
+    runs = [r for i, r in enumerate(readers) if i == 0 or readers[i - 1] != r]
+    assert runs == sorted(set(runs), key=sched.ranks.index)
+    share = [sum(s.end - s.start for s in stripes if s.reader == r) for r in sched.ranks]
+    assert max(share) - min(share) <= 2 * page + sched.nbytes % len(sched.ranks), share
+    for rank in sched.ranks:
+        rp = plan.ranks[rank]
+        out = [bytearray(t.nbytes) for t in rp.tensors]
+        hits = [bytearray(t.nbytes) for t in rp.tensors]
+        keeps = rank_keeps(plan, sched, rank)
+        assert keeps == rank_keeps(rp, sched)
+        assert [k.stripe for k in keeps] == sorted(k.stripe for k in keeps)
+        for k in keeps:
+            assert k.rank == rank
+            r, s = k.part.read, stripes[k.stripe]
+            rows = range(k.part.first, k.part.first + k.part.n) if r.count > 1 else (0,)
+            for i in rows:
+                src = r.offset + i * r.stride + (k.part.first if r.count == 1 else 0)
+                dst = r.dst_offset + i * r.dst_stride + (k.part.first if r.count == 1 else 0)
+                n = k.part.n if r.count == 1 else r.length
+                assert r.file == s.file and s.start <= src and src + n <= s.end, "a keep reaches outside its stripe"
+                out[k.tensor][dst : dst + n] = files[r.file][src : src + n]
+                for b in range(dst, dst + n):
+                    hits[k.tensor][b] += 1
+        for t, o, h in zip(rp.tensors, out, hits):
+            assert max(h, default=0) <= 1, f"rank {rank}: {t.name}: a byte is kept twice"
+            assert sum(h) == t.bytes_needed, f"rank {rank}: {t.name}: {sum(h)} bytes kept, {t.bytes_needed} needed"
+            assert bytes(o) == apply_reads(t, files), f"rank {rank}: {t.name}"
+
+
+@pytest.mark.parametrize("stripe,page", [(64, 64), (96, 32), (1 << 20, 4096), (4096, 4096)])
+@pytest.mark.parametrize("tp", (1, 2, 3, 4))
+def test_node_stripes_and_keeps_in_memory(tp, stripe, page):
+    ckpt, blob = _checkpoint(SPECS)
+    plan = make_plan(ckpt, tp, rules=RULES, preset=None, uneven="pad")
+    sched = node_schedule(plan, range(tp), "n", stripe, page)
+    assert sched.stripe_bytes == stripe and sched.ranks == tuple(range(tp))
+    _check_node(plan, sched, [blob], page)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.integers(1, 40), cols=st.integers(1, 40), size=st.sampled_from((1, 2, 4)), tp=st.integers(1, 5),
+    dim=st.integers(0, 1), page=st.sampled_from((8, 16, 64)), pages=st.integers(1, 5), nodes=st.integers(1, 3),
+)
+def test_property_node_schedule(rows, cols, size, tp, dim, page, pages, nodes):
+    ckpt, blob = _checkpoint({"t": ("U8" if size == 1 else "F16" if size == 2 else "F32", (rows, cols), size),
+                              "r": ("U8", (7,), 1)})
+    plan = make_plan(ckpt, tp, rules=[("t", Split(dim)), ("r", Replicated())], preset=None, uneven="pad")
+    for r0 in range(min(nodes, tp)):
+        sched = node_schedule(plan, range(r0, tp, nodes), f"n{r0}", page * pages, page)
+        _check_node(plan, sched, [blob], page)
+
+
+@pytest.mark.parametrize("tp", (2, 4, 8))
+def test_node_schedule_of_real_checkpoints(model_dir, tp):
+    plan = make_plan(model_dir, tp)
+    files = read_files(plan)
+    _check_node(plan, node_schedule(plan, range(tp), "n", 8192), files, 4096)
+    # two nodes: each reads only (all of) its own ranks' union
+    half = node_schedules(plan, ["a"] * (tp // 2) + ["b"] * (tp - tp // 2), 8192)
+    assert [n.node for n in half] == ["a", "b"]
+    for n in half:
+        _check_node(plan, n, files, 4096)
+
+
+def test_replicated_bytes_are_read_once_per_node():
+    ckpt, blob = _checkpoint({"rep": ("F32", (64, 64), 4)})  # 16 KiB, every rank keeps all of it
+    plan = make_plan(ckpt, 4, rules=[("rep", Replicated())], preset=None)
+    sched = node_schedule(plan, range(4), "n", 4096)
+    assert sched.nbytes == plan.files[0].size == len(blob)  # the header's page too, once; the last page clipped
+    assert [(s.start, s.reader) for s in sched.stripes] == [(0, 0), (4096, 1), (8192, 2), (12288, 3), (16384, 3)]
+    for r in range(4):  # every rank keeps every byte, from stripes any reader read
+        assert sum(k.part.bytes_needed for k in rank_keeps(plan, sched, r)) == 64 * 64 * 4
+
+
+def test_plan_for_nodes_round_trips_and_tabulates():
+    ckpt, blob = _checkpoint(SPECS)
+    plan = make_plan(ckpt, 4, rules=RULES, preset=None, uneven="pad")
+    assert plan.nodes == ()
+    two = plan.for_nodes(["x", "y", "x", "y"], stripe_bytes=8192)
+    assert [n.ranks for n in two.nodes] == [(0, 2), (1, 3)] and two.node_of(3).node == "y"
+    assert Plan.from_json(two.to_json()) == two
+    rows = two.node_rows()
+    assert [(r["node"], r["start"], r["end"], r["reader"]) for r in rows] == [
+        (n.node, s.start, s.end, s.reader) for n in two.nodes for s in n.stripes]
+    for r in rows:  # keepers: the node's ranks with a keep in the stripe
+        n = two.node_of(r["reader"])
+        assert r["keepers"] == tuple(sorted({k.rank for rk in n.ranks for k in rank_keeps(two, n, rk)
+                                              if k.stripe == r["stripe"]}))
+        assert set(r["keepers"]) <= set(n.ranks) and r["keepers"]
+    with pytest.raises(KeyError, match="for_nodes"):
+        plan.node_of(0)
+    with pytest.raises(ValueError, match="node id"):
+        plan.for_nodes(["x"])
+
+
+def test_stripe_bytes_must_hold_a_page():
+    ckpt, _ = _checkpoint({"a": ("U8", (4,), 1)})
+    plan = make_plan(ckpt, 1, rules=[("a", Replicated())], preset=None)
+    with pytest.raises(ConfigurationError, match="stripe_bytes"):
+        node_schedule(plan, [0], "n", 100)
+
+
+def test_max_gap_reads_small_gaps_between_needed_pages():
+    ckpt, blob = _checkpoint({"row": ("U8", (64, 512), 1)})  # rows of 512 B; each rank keeps 128 B of each
+    plan = make_plan(ckpt, 4, rules=[("row", Split(-1))], preset=None)
+    exact = node_schedule(plan, [1], "n", 4096, page=64)  # rank 1 alone: one span per row
+    assert len(exact.stripes) == 64
+    _check_node(plan, exact, [blob], 64)
+    wide = node_schedule(plan, [1], "n", 4096, page=64, max_gap=512)
+    assert [(s.start, s.end) for s in wide.stripes] == [(a, min(a + 4096, exact.stripes[-1].end))
+                                                       for a in range(exact.stripes[0].start, exact.stripes[-1].end, 4096)]
+    for sched in (exact, wide):  # the keeps are exactly the reads either way
+        keeps = rank_keeps(plan, sched, 1)
+        assert sum(k.part.bytes_needed for k in keeps) == plan.ranks[1].stats.bytes_needed

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import ConfigurationError
-from ..plans import RankPlan
+from ..plans import FileRef, RankPlan
+from ..storage import local_path
 
 
 @dataclass(frozen=True)
 class Backend:
     """`read(plan, device, *, options, on_progress, out) -> ({name: tensor}, ReadStats)` executes one rank's
-    plan in any process; `check(plan)` raises ConfigurationError, on the driver before any rank reads, for
+    plan in any process (cooperative also takes `node`, its node's `NodeTask`); `check(plan)` raises ConfigurationError, on the driver before any rank reads, for
     a rank plan the backend cannot read."""
 
     name: str
@@ -35,17 +36,36 @@ def get_backend(name: str) -> Backend:
 
 
 def check_backend(name: str, plans) -> None:
-    """Run backend `name`'s check on every rank plan (raises before anything is read)."""
+    """Run backend `name`'s check on every rank plan (raises before anything is read); "auto" picks backends
+    without checks."""
+    if name == "auto":
+        return
     check = get_backend(name).check
     for plan in plans if check else ():
         check(plan)
 
 
+def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) -> str:
+    """The backend a rank uses for the requested `name`, with `peers` ranks on its node (itself included) and
+    loading to `device`: "auto" is cooperative for a CPU rank sharing its node, else ranged (alone on its node a
+    rank's own ranged reads are already its pages; GPU ranks get the exchange path separately). Cooperative
+    reads map local files only: with files elsewhere, "auto" and "cooperative" read ranged."""
+    if name not in ("auto", "cooperative"):
+        return name
+    if any(local_path(f.uri) is None for f in files):
+        return "ranged"
+    if name == "auto":
+        return "cooperative" if peers > 1 and device == "cpu" else "ranged"
+    return name
+
+
 def _register_builtin() -> None:
+    from .coop import read_rank_cooperative
     from .fst import check_fastsafetensors, read_rank_fastsafetensors
     from .ranged import read_rank
 
     register_backend(Backend("ranged", read_rank))
+    register_backend(Backend("cooperative", read_rank_cooperative))
     register_backend(Backend("fastsafetensors", read_rank_fastsafetensors, check_fastsafetensors))
 
 

@@ -1,0 +1,278 @@
+"""Cooperative reads on the CPU: a node's ranks read its stripes from storage once, into the page cache,
+and each copies the bytes it keeps out of a memory map of the files.
+
+Every rank of a node gets the node's `NodeSchedule` and a load id (`NodeTask`). As a reader, a rank
+reads its stripes (one contiguous run of the node's union) with `options.threads` threads, one request
+per stripe into a scratch buffer of one stripe per thread (the staging budget: threads x stripe_bytes),
+and marks each stripe ready in the node's ready map. As a keeper, it copies its keeps (`rank_keeps`)
+out of a private read-only mapping of each file (`mmap`, which shares the page cache's pages: nothing is
+read twice from storage) into its shards as soon as their stripe is ready, while its own stripes are
+still being read: one vectorised strided copy per keep, no per-row system call.
+
+The ready map is a file in /dev/shm (the temporary directory where there is none) named from the load id
+and the node: a 16-byte header (ranks done, number of stripes) and one byte per stripe (0 pending,
+1 ready, 2 failed). Every rank of the node creates or opens it under an exclusive `flock`; the last rank
+to finish (successfully or not) removes it. A rank whose process is killed does not count itself done,
+so after a crash a file `raylazy-<load id>-<node>.ready` of a few bytes per stripe can be left behind;
+it is never reused (every load has a new id) and may be deleted.
+
+A keeper waits at most `options.stripe_timeout_s` for any stripe to become ready (a reader whose process
+died and is not restarted in time), then raises a ReadError naming the stripe, its file and its reader.
+A reader that fails marks its remaining stripes failed, so its peers fail at once too. Files are
+checked against the plan first (FileChangedError); a file truncated while mapped would kill the rank's
+process (SIGBUS), which Ray then restarts and the check catches. Only local files can be mapped: the
+driver falls back to the ranged reader for other storages (`raylazy.io.backends.backend_for`).
+
+On a GPU device the keeps are copied from the mapping to the device one by one (correct, not fast):
+the driver's "auto" choice uses cooperative reads for CPU ranks only; the GPU exchange (stripes to the
+reader's GPU, then NCCL to the keepers) is a separate path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping
+
+from ..errors import ConfigurationError, FileChangedError, ReadError
+from ..options import ReaderOptions
+from ..plans import NodeSchedule, RankPlan
+from ..schedule import NodeTask, rank_keeps
+from ..storage import LocalSource, Source
+from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
+
+PENDING, READY, FAILED = 0, 1, 2
+
+
+def read_rank_cooperative(
+    plan: RankPlan,
+    device: str = "cpu",
+    *,
+    node: NodeTask,
+    options: ReaderOptions = ReaderOptions(),
+    on_progress: Progress | None = None,
+    out: Mapping | None = None,
+) -> tuple[dict, ReadStats]:
+    """Read `plan`'s shards together with the other ranks of `node.schedule`; returns ({name: tensor}, stats).
+
+    Every rank of the node must run this with the same `node` at about the same time (each reads stripes the
+    others keep). `out` as for `raylazy.io.ranged.read_rank`. Raises on any failure; no partial shard is returned.
+    """
+    import torch
+
+    dev = torch.device(device)
+    sched = node.schedule
+    if plan.rank not in sched.ranks:
+        raise ConfigurationError(f"rank {plan.rank} is not one of node {sched.node}'s ranks {sched.ranks}")
+    stats = ReadStats(backend="cooperative", device=str(dev))
+    counter = Counter(on_progress)
+    t0 = time.perf_counter()
+    buffers = shard_buffers(torch, plan, dev, out)
+    keeps = rank_keeps(plan, sched)
+    mine = sched.read_by(plan.rank)
+    used = sorted({sched.stripes[i].file for i in mine} | {k.part.read.file for k in keeps})
+    sources: dict[int, Source] = {}
+    ready = ReadyMap(node.load_id, sched)
+    try:
+        try:
+            for f in used:
+                sources[f] = _open_local(plan, f)
+            threads = max(1, min(options.threads, len(mine)))
+            size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
+            stop = threading.Event()
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
+                todo = iter(mine)
+                readers = [pool.submit(_read_stripes, plan, sched, todo, sources, ready, bytearray(size), stop)
+                           for _ in range(threads)] if mine else []
+                try:
+                    _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, readers, options.stripe_timeout_s)
+                    for f in readers:
+                        f.result()
+                finally:
+                    stop.set()  # on failure the reader threads stop after their current stripe
+        except BaseException:
+            ready.fail(mine)  # peers waiting for this rank's stripes fail at once instead of timing out
+            raise
+    finally:
+        for source in sources.values():
+            source.close()
+        ready.done()
+    stats.bytes_needed = counter.value
+    stats.bytes_read = sum(sched.stripes[i].end - sched.stripes[i].start for i in mine)
+    stats.requests = len(mine)
+    stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
+    stats.staging_buffers = threads if mine else 0
+    stats.staging_bytes = stats.staging_buffers * size
+    stats.seconds = time.perf_counter() - t0
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
+
+
+def _open_local(plan: RankPlan, f: int) -> LocalSource:
+    try:
+        source = open_verified(plan.files[f])
+    except (FileChangedError, ReadError) as e:
+        names = [t.name for t in plan.tensors if any(r.file == f for r in t.reads)]
+        held = f" (holds tensor {names[0]!r}{f' and {len(names) - 1} more' if len(names) > 1 else ''})" if names else ""
+        raise type(e)(f"{e}{held}") from None
+    if not isinstance(source, LocalSource):
+        source.close()
+        raise ConfigurationError(f"{plan.files[f].uri}: cooperative reads map local files only: use backend='ranged'")
+    return source
+
+
+def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, ready: "ReadyMap", scratch: bytearray,
+                  stop: threading.Event) -> None:
+    """One reader thread: take the next of this rank's stripes (shared iterator), read it whole into `scratch`
+    (so it lands in the page cache), mark it ready; repeat until none is left or `stop` is set."""
+    view = memoryview(scratch)
+    for i in todo:  # next() on a shared list iterator is atomic under the GIL
+        if stop.is_set():
+            return
+        s = sched.stripes[i]
+        source = sources[s.file]
+        try:
+            source.readinto(s.start, [view[: s.end - s.start]])
+        except OSError as e:
+            raise ReadError(f"{source.uri}: rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end}): "
+                            f"{e.strerror or e}") from None
+        except EOFError as e:
+            raise ReadError(f"{source.uri}: file ended early in stripe {i} (bytes {s.start}-{s.end}): {e}; it was "
+                            "truncated since planning") from None
+        ready.mark(i)
+
+
+def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: "ReadyMap", buffers, counter,
+          readers: list, timeout_s: float) -> None:
+    """Copy every keep into its shard as soon as its stripe is ready (in whatever order stripes become ready)."""
+    import numpy as np
+
+    maps = {f: _mapped(torch, s) for f, s in sources.items()}
+    by_stripe: dict[int, list] = {}
+    for k in keeps:
+        by_stripe.setdefault(k.stripe, []).append(k)
+    waiting = np.array(sorted(by_stripe), dtype=np.int64)
+    deadline, pause = time.monotonic() + timeout_s, 0.0005
+    while len(waiting):
+        state = ready.flags[waiting]
+        if (state == FAILED).any():
+            for f in readers:  # this rank's own reader failed: its error says why
+                if f.done() and f.exception():
+                    f.result()
+            i = int(waiting[state == FAILED][0])
+            raise ReadError(f"rank {plan.rank}: {_stripe_name(plan, sched, i)} failed on its reader, rank "
+                            f"{sched.stripes[i].reader} (see that rank's error)")
+        now_ready = waiting[state == READY]
+        if not len(now_ready):
+            for f in readers:
+                if f.done() and f.exception():
+                    f.result()
+            if time.monotonic() > deadline:
+                i = int(waiting[0])
+                raise ReadError(f"rank {plan.rank}: {_stripe_name(plan, sched, i)} was not ready within "
+                                f"{timeout_s:.0f} s: its reader, rank {sched.stripes[i].reader}, died or is stuck")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+            continue
+        for i in now_ready.tolist():
+            for k in by_stripe[i]:
+                _copy(buffers[k.tensor][0], maps[k.part.read.file], k.part)
+                counter.add(k.part.bytes_needed)
+        waiting = waiting[state != READY]
+        deadline, pause = time.monotonic() + timeout_s, 0.0005
+
+
+def _mapped(torch, source: LocalSource):
+    """The whole file as a uint8 tensor over a private read-only mapping (pages shared with the page cache)."""
+    import numpy as np
+
+    mm = mmap.mmap(source.fd, 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable views, nothing ever written
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+def _copy(flat, src, part) -> None:
+    """Copy one keep: bytes [first, first + n) of a contiguous read, or rows [first, first + n) of a strided one."""
+    r, first, n = part
+    if r.count == 1:
+        a, d = r.offset + first, r.dst_offset + first
+        flat[d : d + n].copy_(src[a : a + n])
+        return
+    a, d = r.offset + first * r.stride, r.dst_offset + first * r.dst_stride
+    rows = (n, r.length)
+    flat[d:].as_strided(rows, (r.dst_stride, 1)).copy_(src[a:].as_strided(rows, (r.stride, 1)))
+
+
+def _stripe_name(plan: RankPlan, sched: NodeSchedule, i: int) -> str:
+    s = sched.stripes[i]
+    return f"stripe {i} (bytes {s.start}-{s.end} of {plan.files[s.file].uri})"
+
+
+class ReadyMap:
+    """The node's stripe states in a small shared file: 16-byte header (ranks done, stripes), one byte per stripe."""
+
+    HEADER = 16
+
+    def __init__(self, load_id: str, sched: NodeSchedule):
+        import numpy as np
+
+        node = "".join(c for c in sched.node if c.isalnum())[:16] or "node"
+        self.path = os.path.join(shm_dir(), f"raylazy-{load_id}-{node}.ready")
+        self.ranks = len(sched.ranks)
+        size = self.HEADER + len(sched.stripes)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with _locked(fd):
+                have = os.fstat(fd).st_size
+                if have == 0:  # the first rank here: size it (zero-filled: every stripe pending)
+                    os.ftruncate(fd, size)
+                    os.pwrite(fd, len(sched.stripes).to_bytes(8, "little"), 8)
+                elif have != size or int.from_bytes(os.pread(fd, 8, 8), "little") != len(sched.stripes):
+                    raise ReadError(f"{self.path}: a ready map of another schedule ({have} bytes, {size} expected); "
+                                    "two loads share a load id: load again")
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.flags = np.frombuffer(self.mm, dtype=np.uint8, offset=self.HEADER)
+
+    def mark(self, i: int) -> None:
+        self.flags[i] = READY
+
+    def fail(self, stripes) -> None:
+        """Mark those of `stripes` not yet ready as failed."""
+        for i in stripes:
+            if self.flags[i] != READY:
+                self.flags[i] = FAILED
+
+    def done(self) -> None:
+        """Count this rank done; the last of the node's ranks removes the file."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            with _locked(fd):
+                count = int.from_bytes(os.pread(fd, 8, 0), "little") + 1
+                os.pwrite(fd, count.to_bytes(8, "little"), 0)
+                if count >= self.ranks:
+                    os.unlink(self.path)
+        finally:
+            os.close(fd)
+        self.flags = None
+        self.mm.close()
+
+
+class _locked:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def shm_dir() -> str:
+    """Where node-shared files go: /dev/shm, else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()

@@ -1,0 +1,184 @@
+"""Cooperative reads (raylazy.io.coop): a node's ranks, as separate processes, read each stripe once and
+every rank gets its shards bit for bit as safetensors' get_tensor + narrow; through raylazy.load on one
+node and on two; changed files, dead readers and caller buffers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+import raylazy
+from raylazy.errors import FileChangedError, RankFailedError, ReadError
+from raylazy.io.coop import read_rank_cooperative, shm_dir
+from raylazy.options import ReaderOptions
+from raylazy.planner import make_plan
+from raylazy.schedule import NodeTask
+
+from planlib import as_bytes
+from raytest import check_loaded, check_ranks
+
+_FORK = multiprocessing.get_context("fork")  # the ranks of a node: plain processes, no Ray
+
+
+def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
+    if die:  # a reader whose process dies before reading anything
+        os._exit(3)
+    try:
+        out = {}
+        if use_out:
+            from raylazy.io.common import shard_layout
+
+            out = {t.name: torch.empty(shard_layout(t)[1], dtype=shard_layout(t)[0]) for t in rp.tensors}
+        shards, stats = read_rank_cooperative(rp, "cpu", node=task, options=options, out=out or None)
+        same = all(shards[n] is out[n] for n in out)
+        sent = {n: (t.dtype, tuple(t.shape), as_bytes(t)) for n, t in shards.items()}  # plain bytes: no fd passing
+        queue.put((rp.rank, (sent, stats, same)))
+    except BaseException as e:  # noqa: BLE001  (sent to the test)
+        queue.put((rp.rank, e))
+
+
+def run_nodes(plan, options=ReaderOptions(stripe_timeout_s=60), die=(), use_out=False, timeout=120) -> dict:
+    """Run every rank of every scheduled node of `plan` as its own process; rank -> (shards, stats, same) or error."""
+    queue, load_id = _FORK.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
+    procs = [_FORK.Process(target=_rank, args=(rp, NodeTask(load_id, plan.node_of(rp.rank)), options, queue,
+                                                 rp.rank in die, use_out)) for rp in plan.ranks]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs) - len(die):
+        results.update([queue.get(timeout=max(1, deadline - time.monotonic()))])
+    for p in procs:
+        p.join(10)
+    for r, v in results.items():
+        if not isinstance(v, BaseException):
+            shards = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dt).reshape(shape) if b else
+                      torch.empty(shape, dtype=dt) for n, (dt, shape, b) in v[0].items()}
+            results[r] = (shards, *v[1:])
+    left = [n for n in os.listdir(shm_dir()) if n.startswith(f"raylazy-{load_id}")]
+    # the node's ranks remove its ready map; a rank that died never counts itself done: that is what a crash leaves
+    assert bool(left) == bool(die), left
+    for n in left:
+        os.unlink(os.path.join(shm_dir(), n))
+    return results
+
+
+def _ok(results: dict) -> dict:
+    bad = {r: v for r, v in results.items() if isinstance(v, BaseException)}
+    assert not bad, bad
+    return results
+
+
+@pytest.mark.parametrize("tp", (2, 4, 8))
+def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_dir, tp):
+    plan = make_plan(model_dir, tp)
+    for node_ids in (["n"] * tp, ["a", "b"] * (tp // 2)):
+        scheduled = plan.for_nodes(node_ids, stripe_bytes=8192)
+        results = _ok(run_nodes(scheduled))
+        check_ranks(scheduled, [results[r][0] for r in range(tp)], model_dir)
+        for node in scheduled.nodes:
+            stats = [results[r][1] for r in node.ranks]
+            assert sum(s.bytes_read for s in stats) == node.nbytes  # each byte of the node's union read once
+            assert sum(s.requests for s in stats) == len(node.stripes)
+            for r, s in zip(node.ranks, stats):
+                assert s.backend == "cooperative" and s.bytes_needed == scheduled.ranks[r].stats.bytes_needed
+                assert s.staging_bytes <= ReaderOptions().threads * 8192
+
+
+def test_out_buffers_are_filled_in_place(llama_dir):
+    plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
+    results = _ok(run_nodes(plan, use_out=True))
+    assert all(results[r][2] for r in range(4))
+    check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
+
+
+def test_file_changed_after_planning(llama_dir, tmp_path):
+    d = str(shutil.copytree(llama_dir, tmp_path / "llama"))
+    plan = make_plan(d, 2).for_nodes(["n"] * 2, stripe_bytes=8192)
+    with open(plan.files[0].uri, "ab") as f:
+        f.write(b"\0")
+    results = run_nodes(plan)
+    assert all(isinstance(e, FileChangedError) for e in results.values()), results
+    assert plan.files[0].uri in str(results[0]) and "plan again" in str(results[0])
+
+
+def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):
+    plan = make_plan(llama_dir, 2).for_nodes(["n"] * 2, stripe_bytes=8192)
+    t0 = time.monotonic()
+    results = run_nodes(plan, ReaderOptions(stripe_timeout_s=2), die={1})
+    err = results[0]
+    assert isinstance(err, ReadError), err
+    assert "rank 1" in str(err) and "not ready within 2 s" in str(err) and ".safetensors" in str(err)
+    assert time.monotonic() - t0 < 60
+
+
+# --- through raylazy.load ---------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("tp", (2, 4))
+def test_load_defaults_to_cooperative_on_a_shared_node(llama_dir, ray_local, tp):
+    with raylazy.load(llama_dir, tp, device="cpu", progress=False, stripe_bytes=8192) as loaded:
+        assert {s.backend for s in loaded.stats} == {"cooperative"}
+        (node,) = loaded.plan.nodes
+        assert node.ranks == tuple(range(tp)) and node.node == loaded.ranks[0].node_id
+        assert sum(s.bytes_read for s in loaded.stats) == node.nbytes
+        check_loaded(loaded, llama_dir)
+
+
+@pytest.mark.ray
+def test_load_with_backend_ranged_keeps_the_ranged_reader(qwen2_dir, ray_local):
+    with raylazy.load(qwen2_dir, 2, device="cpu", progress=False, backend="ranged") as loaded:
+        assert {s.backend for s in loaded.stats} == {"ranged"} and loaded.plan.nodes == ()
+        check_loaded(loaded, qwen2_dir)
+
+
+def dying_reader(marker: str) -> type:
+    """A RankLoader class whose rank 1 process dies on its first load (writing `marker`); its restart loads normally.
+    (Defined in a function so that Ray ships the class by value.)"""
+
+    class DyingReader(raylazy.actor.RankLoader):
+        def load(self, plan, options, node=None):
+            if self.info_.rank == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+            return super().load(plan, options, node)
+
+    return DyingReader
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("retries", (0, 2))
+def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, tmp_path, retries):
+    marker = str(tmp_path / "died")
+    cls = dying_reader(marker)
+    t0 = time.monotonic()
+    if retries:
+        with raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=retries,
+                          stripe_bytes=8192) as loaded:
+            assert os.path.exists(marker)
+            check_loaded(loaded, llama_dir)
+    else:
+        with pytest.raises(RankFailedError) as info:
+            raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=0,
+                         stripe_timeout_s=20)
+        assert 1 in info.value.failures and os.path.exists(marker)
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.ray
+def test_two_nodes_each_read_their_own_union_once(two_node_cluster, llama_dir):
+    with raylazy.load(llama_dir, 4, use_gpu=True, device="cpu", progress=False, placement_timeout_s=120,
+                      stripe_bytes=8192) as loaded:
+        nodes = {n.node: n for n in loaded.plan.nodes}
+        assert len(nodes) == 2
+        for info, s in zip(loaded.ranks, loaded.stats):
+            assert info.rank in nodes[info.node_id].ranks and s.backend == "cooperative"
+        for n in nodes.values():
+            assert sum(loaded.stats[r].bytes_read for r in n.ranks) == n.nbytes
+        check_loaded(loaded, llama_dir)
