@@ -242,3 +242,39 @@ def test_gpu_staging_pipeline_stays_within_budget(tmp_path, llama_dir):
     results = run_and_check(tmp_path, [llama_dir], _gpu_devices())
     depths = [stats["staging_buffers"] for case in results for _, stats in case]
     assert 1 in depths
+
+
+# --- the GPU check script ---------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gpu_check(*args: str):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_gpu_check_fails_fast_without_a_gpu(tmp_path):
+    t0 = time.monotonic()
+    done = _gpu_check("--out", str(tmp_path))
+    assert done.returncode == 2 and time.monotonic() - t0 < 60
+    assert "no CUDA GPU is visible" in done.stderr and "nothing was run" in done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_gpu_check_benchmark_runs_on_cpu_ranks(tmp_path, llama_dir):
+    """--cpu: the benchmark part of the script (every loader, the exchange over gloo) without a GPU."""
+    import json
+
+    done = _gpu_check("--cpu", "2", "--model", llama_dir, "--warm", "--out", str(tmp_path), "--time-limit", "200")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(report["runs"]) == {"raw", "ranged", "fastsafetensors", "exchange"}
+    assert all(r["seconds"] > 0 and not r["error"] for r in report["runs"].values()), report["runs"]
+    assert "exchange" in done.stdout and "x raw" in done.stdout
