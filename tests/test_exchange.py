@@ -42,10 +42,15 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
     """One rank: run every case in turn (each its own exchange), write [(shards, stats) or error] to out_path."""
     if fault == "absent":  # never joins: the others must give up at the rendezvous
         return
-    if fault in ("raise", "exit"):
+    if fault in ("raise", "exit", "stall"):
+        read = coop_exchange._StripeReader._read
+
         def broken(self, s, buf):
             if fault == "exit":
                 os._exit(3)  # the process dies mid-stripe
+            if fault == "stall":  # alive but silent (slow storage) for longer than the peers wait
+                time.sleep(8)
+                return read(self, s, buf)
             raise ReadError(f"injected failure reading stripe {s}")
 
         coop_exchange._StripeReader._read = broken
@@ -178,17 +183,20 @@ def test_budget_below_the_minimum_is_refused_before_anything_starts(llama_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["raise", "exit", "absent"])
+@pytest.mark.parametrize("fault", ["raise", "exit", "absent", "stall"])
 def test_a_failing_rank_fails_its_peers_instead_of_hanging(tmp_path, llama_dir, fault):
+    """Local rank 1 raises reading, dies mid-stripe, never joins, or stalls past the 5 s timeout."""
     plan = raylazy.plan(llama_dir, 2)
     sched = node_schedule(plan, range(2), "node", 8192)
     t0 = time.monotonic()
-    (res,) = run_node(tmp_path, [(plan, sched, HUGE, 10.0)], ["cpu"] * 2, fault={1: fault})
-    assert time.monotonic() - t0 < 60
+    (res,) = run_node(tmp_path, [(plan, sched, HUGE, 5.0)], ["cpu"] * 2, fault={1: fault})
+    assert time.monotonic() - t0 < 30  # a stalled rank stops reading ahead once it fails
     assert isinstance(res[0], PeerFailedError), res[0]
-    assert "local rank 0 of 2" in str(res[0])
+    assert "local rank 0 of 2" in str(res[0]) and "5 s" in str(res[0])
     if fault == "raise":
         assert isinstance(res[1], ReadError) and "injected failure" in str(res[1])
+    elif fault == "stall":  # when it wakes up, its peer has given up: it fails too, nothing half-loaded
+        assert isinstance(res[1], PeerFailedError), res[1]
     else:
         assert res[1] is None  # died, or never came
 

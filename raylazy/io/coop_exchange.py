@@ -176,8 +176,7 @@ def read_rank_exchanged(
         for f in sorted({sched.stripes[s].file for s in rounds.own[me]}):
             sources[f] = open_verified(plan.files[f])
         with Exchange(backend_for(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)) as ex, \
-                ThreadPoolExecutor(options.threads, thread_name_prefix="raylazy-stripe") as pool:
-            reader = _StripeReader(torch, pool, sources, sched.stripes, rounds.own[me], depth, size, on_device)
+                _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size, on_device) as reader:
             for t in range(rounds.count):
                 s = rounds.stripe(me, t)
                 data = event = None
@@ -247,14 +246,22 @@ def _place(pieces: list[Piece], data, flats, packed: int | None = None) -> int:
 
 class _StripeReader:
     """Reads one rank's stripes, in order, into `depth` reusable buffers of `size` bytes (pinned for a GPU),
-    on a thread pool, as far ahead of the consumer as free buffers allow."""
+    on `threads` threads, as far ahead of the consumer as free buffers allow. Leaving it on an exception
+    drops the reads not yet started."""
 
-    def __init__(self, torch, pool, sources, stripes, own: list[int], depth: int, size: int, pinned: bool):
-        self.pool, self.sources, self.stripes = pool, sources, stripes
+    def __init__(self, torch, threads: int, sources, stripes, own: list[int], depth: int, size: int, pinned: bool):
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="raylazy-stripe")
+        self.sources, self.stripes = sources, stripes
         self.free = deque(torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(depth))
         self.todo = deque(own)
         self.ahead: deque = deque()  # (future, buffer) in stripe order
         self._submit()
+
+    def __enter__(self) -> "_StripeReader":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=exc_type is not None)
 
     def next(self):
         """The next stripe's bytes (a view of its buffer); its buffer is in use until `release`."""
