@@ -68,6 +68,15 @@ class RankLoader:
         """Bytes of shard data loaded so far by the current load."""
         return self._progress.value
 
+    def exchange_address(self) -> str:
+        """`host:port` on this rank's node where its node's ranks can meet for an exchanged load
+        (`raylazy.io.exchange`): the driver asks one rank per node and gives the answer to all of them."""
+        import ray
+
+        from .io.exchange import node_address
+
+        return node_address(ray.util.get_node_ip_address())
+
     def load(self, plan: RankPlan, options: ReaderOptions, node: NodeTask | None = None) -> ReadStats:
         """Read this rank's shards onto its device (with its node's other ranks, given `node`, for the
         cooperative backend). On failure nothing is kept."""

@@ -199,6 +199,10 @@ class ReadError(LoadError):
     """Reading planned bytes failed (I/O error, permission, file truncated)."""
 
 
+class PeerFailedError(LoadError):
+    """Exchanging bytes with the other ranks of a node failed: a peer rank failed, died or did not answer in time."""
+
+
 class UnsupportedStorageError(CheckpointError):
     """A URI whose scheme no registered storage serves (see `raylazy.storage.register_storage`)."""
 

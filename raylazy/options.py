@@ -18,6 +18,8 @@ QUEUE_SIZE_ENV = "RAYLAZY_FASTSAFETENSORS_QUEUE_SIZE"
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest stripe a node's reader reads in one request (cooperative reads).
 DEFAULT_STRIPE_BYTES = 16 << 20
+#: Staging per rank of the exchanged (GPU) cooperative reads: stripes read ahead plus one round's exchange.
+DEFAULT_STAGING_BUDGET = 256 << 20
 
 
 def validated(model_cls: type[M], **kwargs: Any) -> M:
@@ -85,6 +87,9 @@ class ReaderOptions(BaseModel):
     stripe_bytes: int = Field(DEFAULT_STRIPE_BYTES, ge=4096)
     #: cooperative: a keeper waiting this long with no stripe of its becoming ready fails (its reader died).
     stripe_timeout_s: float = Field(300.0, gt=0)
+    #: exchanged cooperative reads (raylazy.io.coop_exchange): most bytes a rank stages (stripes read ahead,
+    #: their device copy, one round's sends and receives); too small for a rank's stripes: ConfigurationError.
+    staging_budget: int = Field(DEFAULT_STAGING_BUDGET, ge=4096)
     #: fastsafetensors: None tries GPUDirect Storage when alone on a node, else nogds.
     nogds: Optional[bool] = None
 

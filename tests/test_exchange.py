@@ -1,0 +1,288 @@
+"""The node exchange (raylazy.io.exchange) and the cooperative reader over it (raylazy.io.coop_exchange).
+
+A node's ranks run as separate processes, forked from a forkserver that imported torch once, over gloo on
+the CPU (and, gpu-marked, over NCCL on all visible GPUs): every shard bit-for-bit against safetensors'
+get_tensor + narrow; every byte of the node's union read from storage once; staging within the budget;
+a rank that fails, dies or never comes makes the others fail with PeerFailedError instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import raylazy
+from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
+from raylazy.io import coop_exchange
+from raylazy.io.coop_exchange import ExchangeTask, NodeRounds, read_rank_exchanged
+from raylazy.io.exchange import node_address
+from raylazy.options import ReaderOptions
+from raylazy.schedule import node_schedule, rank_keeps
+
+from checkpoints import reference_tensors
+from planlib import as_bytes, reference_shard
+
+#: Children are forked from a server that has imported torch and raylazy once (fast, and no OpenMP
+#: state of the test process is inherited).
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "raylazy.io.coop_exchange"])
+
+#: Seconds a whole node run may take before the test calls it hung.
+DEADLINE_S = 240
+HUGE = 1 << 40
+
+
+def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | None) -> None:
+    """One rank: run every case in turn (each its own exchange), write [(shards, stats) or error] to out_path."""
+    if fault == "absent":  # never joins: the others must give up at the rendezvous
+        return
+    if fault in ("raise", "exit", "stall"):
+        read = coop_exchange._StripeReader._read
+
+        def broken(self, s, buf):
+            if fault == "exit":
+                os._exit(3)  # the process dies mid-stripe
+            if fault == "stall":  # alive but silent (slow storage) for longer than the peers wait
+                time.sleep(8)
+                return read(self, s, buf)
+            raise ReadError(f"injected failure reading stripe {s}")
+
+        coop_exchange._StripeReader._read = broken
+    results = []
+    for plan, sched, address, budget, timeout_s in cases:
+        try:
+            options = ReaderOptions(staging_budget=budget, stripe_timeout_s=timeout_s)
+            shards, stats = read_rank_exchanged(plan.ranks[rank], device, node=ExchangeTask.of(plan, sched, address),
+                                                options=options)
+            results.append(({n: t.cpu() for n, t in shards.items()}, asdict(stats)))
+        except Exception as e:  # kept as the case's result; the next case runs (its peers failed with it)
+            results.append(e)
+    with open(out_path, "wb") as f:
+        pickle.dump(results, f)
+
+
+def run_node(tmp_path, cases: list, devices: list[str], fault: dict[int, str] | None = None) -> list[list]:
+    """Run `cases` [(plan, sched, budget, timeout_s)] on one process per device (local rank = index);
+    returns per case, per local rank, (shards, stats dict) or the error it raised (None: no result)."""
+    cases = [(plan, sched, node_address("127.0.0.1"), budget, t) for plan, sched, budget, t in cases]
+    fault = fault or {}
+    procs, paths = [], []
+    for local, device in enumerate(devices):
+        path = tmp_path / f"rank{local}-{time.monotonic_ns()}.pkl"
+        rank = cases[0][1].ranks[local]
+        procs.append(CTX.Process(target=_worker, args=(rank, device, cases, str(path), fault.get(local)), daemon=True))
+        paths.append(path)
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + DEADLINE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for i in hung:
+        procs[i].kill()
+    assert not hung, f"local rank(s) {hung} still running after {DEADLINE_S} s: the exchange hung"
+    out = []
+    for path in paths:
+        if path.exists():
+            with open(path, "rb") as f:
+                out.append(pickle.load(f))
+        else:
+            out.append([None] * len(cases))
+    return [[out[local][c] for local in range(len(devices))] for c in range(len(cases))]
+
+
+def min_budget(plan, sched, on_device: bool) -> int:
+    """The smallest staging budget every rank of the node can work with (some rank gets depth 1)."""
+    rounds = NodeRounds(ExchangeTask.of(plan, sched, "").plans, sched)
+    need = []
+    for me in range(len(sched.ranks)):
+        _, size, step = rounds.staging(me, HUGE, on_device)
+        need.append(size + step)
+    return max(need)
+
+
+def check_node(plan, sched, model_dir: str, results: list, budget: int) -> None:
+    """Every rank's shards equal safetensors' tensors narrowed; the node read its union once; staging fit."""
+    full = reference_tensors(model_dir)
+    read = received = 0
+    for local, rank in enumerate(sched.ranks):
+        res = results[local]
+        assert not isinstance(res, BaseException) and res is not None, f"rank {rank}: {res!r}"
+        shards, stats = res
+        rp = plan.ranks[rank]
+        assert set(shards) == {t.name for t in rp.tensors}
+        for t in rp.tensors:
+            assert as_bytes(shards[t.name]) == as_bytes(reference_shard(full[t.name], t)), f"rank {rank}: {t.name}"
+            assert shards[t.name].shape == torch.Size(t.shape) and shards[t.name].dtype == full[t.name].dtype
+        assert stats["bytes_needed"] == rp.stats.bytes_needed
+        from_peers = sum(k.part.bytes_needed for k in rank_keeps(plan, sched, rank)
+                         if sched.stripes[k.stripe].reader != rank)
+        assert stats["bytes_received"] == from_peers
+        assert stats["staging_bytes"] <= budget, (rank, stats["staging_bytes"], budget)
+        assert stats["requests"] == len(sched.read_by(rank))
+        read += stats["bytes_read"]
+        received += stats["bytes_received"]
+    assert read == sched.nbytes  # every byte of the node's union leaves storage once
+    assert received > 0 or len(sched.ranks) == 1  # the ranks did exchange
+
+
+def cases_for(model_dir: str, tp: int, on_device: bool) -> list:
+    """Per stripe size: a roomy budget, then the smallest one that works (depth 1 for some rank)."""
+    plan = raylazy.plan(model_dir, tp)
+    out = []
+    for stripe_bytes in (16384, 4096):
+        sched = node_schedule(plan, range(tp), "node", stripe_bytes)
+        out.append((plan, sched, 8 * min_budget(plan, sched, on_device), 60.0))
+        out.append((plan, sched, min_budget(plan, sched, on_device), 60.0))
+    return out
+
+
+def run_and_check(tmp_path, dirs: list[str], devices: list[str]) -> list:
+    tp = len(devices)
+    on_device = devices[0] != "cpu"
+    cases, owners = [], []
+    for d in dirs:
+        for c in cases_for(d, tp, on_device):
+            cases.append(c)
+            owners.append(d)
+    results = run_node(tmp_path, cases, devices)
+    for (plan, sched, budget, _), d, res in zip(cases, owners, results):
+        check_node(plan, sched, d, res, budget)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_cpu_gloo_shards_bit_for_bit(tmp_path, tp, llama_dir, qwen2_dir, mixtral_dir):
+    results = run_and_check(tmp_path, [llama_dir, qwen2_dir, mixtral_dir], ["cpu"] * tp)
+    depths = [stats["staging_buffers"] for case in results for _, stats in case]
+    assert 1 in depths and max(depths) > 1  # the smallest budget reads one stripe ahead, a roomy one more
+
+
+@pytest.mark.slow
+def test_cpu_gloo_tp8(tmp_path, llama_dir):
+    run_and_check(tmp_path, [llama_dir], ["cpu"] * 8)
+
+
+def test_budget_below_the_minimum_is_refused_before_anything_starts(llama_dir):
+    plan = raylazy.plan(llama_dir, 2)
+    sched = node_schedule(plan, range(2), "node", 16384)
+    rounds = NodeRounds(ExchangeTask.of(plan, sched, "").plans, sched)
+    need = [sum(rounds.staging(me, HUGE, False)[1:]) for me in range(2)]
+    rank = sched.ranks[need.index(max(need))]
+    with pytest.raises(ConfigurationError, match=f"staging_budget {max(need) - 1} bytes is too small.*at least {max(need)}"):
+        # no peer is started: the check comes before the exchange
+        read_rank_exchanged(plan.ranks[rank], "cpu", node=ExchangeTask.of(plan, sched, "127.0.0.1:1"),
+                            options=ReaderOptions(staging_budget=max(need) - 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["raise", "exit", "absent", "stall"])
+def test_a_failing_rank_fails_its_peers_instead_of_hanging(tmp_path, llama_dir, fault):
+    """Local rank 1 raises reading, dies mid-stripe, never joins, or stalls past the 5 s timeout."""
+    plan = raylazy.plan(llama_dir, 2)
+    sched = node_schedule(plan, range(2), "node", 8192)
+    t0 = time.monotonic()
+    (res,) = run_node(tmp_path, [(plan, sched, HUGE, 5.0)], ["cpu"] * 2, fault={1: fault})
+    assert time.monotonic() - t0 < 30  # a stalled rank stops reading ahead once it fails
+    assert isinstance(res[0], PeerFailedError), res[0]
+    assert "local rank 0 of 2" in str(res[0]) and "5 s" in str(res[0])
+    if fault == "raise":
+        assert isinstance(res[1], ReadError) and "injected failure" in str(res[1])
+    elif fault == "stall":  # when it wakes up, its peer has given up: it fails too, nothing half-loaded
+        assert isinstance(res[1], PeerFailedError), res[1]
+    else:
+        assert res[1] is None  # died, or never came
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_rank_actors_meet_at_the_address_one_of_them_gives(llama_dir, ray_local):
+    """Inside Ray: one rank actor names its node's meeting address; both actors load through the exchange."""
+    import ray
+
+    from raylazy.actor import RankLoader
+    from raytest import check_rank
+
+    class ExchangeLoader(RankLoader):  # what the loader's wiring will do: read with the exchange, keep the shards
+        def load_exchanged(self, plan, task):
+            self._shards, stats = read_rank_exchanged(plan, self.info_.device, node=task)
+            return stats
+
+    plan = raylazy.plan(llama_dir, 2)
+    actors = [ray.remote(num_cpus=0)(ExchangeLoader).remote(r, "cpu") for r in range(2)]
+    try:
+        address = ray.get(actors[0].exchange_address.remote(), timeout=120)
+        host, port = address.rsplit(":", 1)
+        assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
+        task = ExchangeTask.of(plan, node_schedule(plan, range(2), "node", 16384), address)
+        stats = ray.get([a.load_exchanged.remote(plan.ranks[r], task) for r, a in enumerate(actors)], timeout=120)
+        assert sum(s.bytes_read for s in stats) == task.schedule.nbytes and all(s.bytes_received for s in stats)
+        for r, a in enumerate(actors):
+            check_rank(plan.ranks[r], ray.get(a.shards.remote()), llama_dir)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _gpu_devices() -> list[str]:
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_nccl_shards_bit_for_bit(tmp_path, llama_dir, qwen2_dir, mixtral_dir):
+    """stripe -> pinned buffer -> the reader's GPU -> NCCL to the keepers, on all visible GPUs."""
+    results = run_and_check(tmp_path, [llama_dir, qwen2_dir, mixtral_dir], _gpu_devices())
+    assert all(s["device"].startswith("cuda") for case in results for _, s in case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_staging_pipeline_stays_within_budget(tmp_path, llama_dir):
+    """The smallest budget forces one pinned buffer per reader; a roomy one reads ahead; both exact."""
+    results = run_and_check(tmp_path, [llama_dir], _gpu_devices())
+    depths = [stats["staging_buffers"] for case in results for _, stats in case]
+    assert 1 in depths
+
+
+# --- the GPU check script ---------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gpu_check(*args: str):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_gpu_check_fails_fast_without_a_gpu(tmp_path):
+    t0 = time.monotonic()
+    done = _gpu_check("--out", str(tmp_path))
+    assert done.returncode == 2 and time.monotonic() - t0 < 60
+    assert "no CUDA GPU is visible" in done.stderr and "nothing was run" in done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_gpu_check_benchmark_runs_on_cpu_ranks(tmp_path, llama_dir):
+    """--cpu: the benchmark part of the script (every loader, the exchange over gloo) without a GPU."""
+    import json
+
+    done = _gpu_check("--cpu", "2", "--model", llama_dir, "--warm", "--out", str(tmp_path), "--time-limit", "200")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(report["runs"]) == {"raw", "ranged", "fastsafetensors", "exchange"}
+    assert all(r["seconds"] > 0 and not r["error"] for r in report["runs"].values()), report["runs"]
+    assert "exchange" in done.stdout and "x raw" in done.stdout
