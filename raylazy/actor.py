@@ -16,7 +16,6 @@ from .errors import NoShardsError
 from .io.common import Counter, ReadStats
 from .options import ReaderOptions
 from .plans import RankPlan
-from .schedule import NodeTask
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,10 @@ class RankLoader:
 
         return node_address(ray.util.get_node_ip_address())
 
-    def load(self, plan: RankPlan, options: ReaderOptions, node: NodeTask | None = None) -> ReadStats:
-        """Read this rank's shards onto its device (with its node's other ranks, given `node`, for the
-        cooperative backend). On failure nothing is kept."""
+    def load(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
+        """Read this rank's shards onto its device; `node` (a `raylazy.schedule.NodeTask` or a
+        `raylazy.io.coop_exchange.ExchangeTask`) is what a node backend needs to read with the other ranks
+        of the node. On failure nothing is kept."""
         self._shards, self._progress = None, Counter()
         from .io.backends import get_backend
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .actor import RankInfo, RankLoader
 from .errors import ConfigurationError
 from .group import RankGroup
-from .io.backends import backend_for, check_backend
+from .io.backends import NODE_BACKENDS, backend_for, check_backend
 from .io.common import ReadStats
 from .options import LoadOptions, load_options
 from .mesh import Mesh
@@ -27,7 +27,7 @@ from .placement import check_placeable, ensure_ray, rank_bundles
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
-from .schedule import NodeTask, group_by_node
+from .schedule import NodeTask
 
 log = logging.getLogger("raylazy")
 
@@ -150,13 +150,12 @@ def load(
         plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
         check_backend(opts.reader.backend, plan.ranks)
         ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        nodes = group_by_node([info.node_id for info in ranks])
+        nodes = group.nodes
         readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
-        if any(r.backend == "cooperative" for r in readers):
+        if any(r.backend in NODE_BACKENDS for r in readers):
             plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
-        load_id = uuid.uuid4().hex[:16]
-        loads = [a.load.remote(rp, reader, NodeTask(load_id, plan.node_of(rp.rank)) if reader.backend == "cooperative"
-                               else None) for a, rp, reader in zip(group.actors, plan.ranks, readers)]
+        tasks = _node_tasks(group, plan, readers, opts.timeout_s)
+        loads = [a.load.remote(rp, reader, task) for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
         stats = _wait_with_progress(group, loads, plan, opts)
     except BaseException:
         group.release()
@@ -173,6 +172,25 @@ def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple =
     if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
         return reader.model_copy(update={"nogds": True})
     return reader
+
+
+def _node_tasks(group: RankGroup, plan: Plan, readers: list, timeout_s: float) -> list:
+    """Per rank, what it needs to read with its node: a NodeTask (cooperative: one load id for the node's
+    ready map), an ExchangeTask (exchange: the node's schedule, rank plans and meeting address, asked of the
+    node's first rank), or None (a rank reading alone)."""
+    from .io.coop_exchange import ExchangeTask
+
+    load_id = uuid.uuid4().hex[:16]
+    meet = sorted({plan.node_of(r).ranks[0] for r, rd in enumerate(readers) if rd.backend == "exchange"})
+    addresses = dict(zip(meet, group.gather([group.actors[r].exchange_address.remote() for r in meet],
+                                            timeout_s, "exchange address")))
+    tasks = []
+    for rank, reader in enumerate(readers):
+        sched = plan.node_of(rank) if reader.backend in NODE_BACKENDS else None
+        tasks.append(NodeTask(load_id, sched) if reader.backend == "cooperative"
+                     else ExchangeTask.of(plan, sched, addresses[sched.ranks[0]]) if reader.backend == "exchange"
+                     else None)
+    return tasks
 
 
 def _transport_for(transport: str, device: str) -> str:

@@ -74,7 +74,7 @@ class ReaderOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     #: "auto": cooperative for CPU ranks that share a node with other ranks (local files), else ranged.
-    backend: Literal["auto", "ranged", "cooperative", "fastsafetensors"] = "auto"
+    backend: Literal["auto", "ranged", "cooperative", "exchange", "fastsafetensors"] = "auto"
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
     queue_size: int = Field(0, ge=-1, le=64)

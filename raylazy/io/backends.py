@@ -45,27 +45,34 @@ def check_backend(name: str, plans) -> None:
         check(plan)
 
 
+#: Backends whose ranks read together with the other ranks of their node (the driver gives each a node task).
+NODE_BACKENDS = ("cooperative", "exchange")
+
+
 def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) -> str:
     """The backend a rank uses for the requested `name`, with `peers` ranks on its node (itself included) and
-    loading to `device`: "auto" is cooperative for a CPU rank sharing its node, else ranged (alone on its node a
-    rank's own ranged reads are already its pages; GPU ranks get the exchange path separately). Cooperative
-    reads map local files only: with files elsewhere, "auto" and "cooperative" read ranged."""
-    if name not in ("auto", "cooperative"):
+    loading to `device`. "auto": a rank sharing its node reads cooperatively, through the page cache on the CPU
+    ("cooperative") or stripes exchanged over NCCL on a GPU ("exchange"); a rank alone on its node reads its own
+    ranges ("ranged": they are already exactly its pages). Node backends read local files only: with files
+    elsewhere, they read ranged."""
+    if name != "auto" and name not in NODE_BACKENDS:
         return name
-    if any(local_path(f.uri) is None for f in files):
+    if any(local_path(f.uri) is None for f in files) or (name == "auto" and peers < 2):
         return "ranged"
     if name == "auto":
-        return "cooperative" if peers > 1 and device == "cpu" else "ranged"
+        return "cooperative" if device == "cpu" else "exchange"
     return name
 
 
 def _register_builtin() -> None:
     from .coop import read_rank_cooperative
+    from .coop_exchange import read_rank_exchanged
     from .fst import check_fastsafetensors, read_rank_fastsafetensors
     from .ranged import read_rank
 
     register_backend(Backend("ranged", read_rank))
     register_backend(Backend("cooperative", read_rank_cooperative))
+    register_backend(Backend("exchange", read_rank_exchanged))
     register_backend(Backend("fastsafetensors", read_rank_fastsafetensors, check_fastsafetensors))
 
 
