@@ -54,9 +54,9 @@ class TimedRankLoader(RankLoader):
         self.times_ = {"proc_start": psutil.Process().create_time(), "init_enter": entered,
                        "torch_imported": time.time(), "torch_before": torch_before}
 
-    def load(self, plan, options, *args, **kwargs):
+    def load(self, plan, options, node=None):
         start = time.time()
-        stats = super().load(plan, options, *args, **kwargs)
+        stats = super().load(plan, options, node)
         self.times_.update(load_start=start, load_end=time.time())
         return stats
 

@@ -308,7 +308,8 @@ def one_run(loader, tp, placement, cache, index, files, total_pages, groups, mod
             res = runner.run_process(groups[loader], active, verify, disk)
         else:
             spec = impls.RAY_LOADERS[loader]
-            options = dict(spec.options, **{k: v for k, v in reader.items() if k in spec.reader})
+            base = spec.alone if placement != "node" and spec.alone is not None else spec.options
+            options = dict(base, **{k: v for k, v in reader.items() if k in spec.reader})
             res = runner.run_raylazy(model_dir, tp, options, None if placement == "node" else active, verify, disk)
             e2e.append(res["e2e_s"])
             e2e_cpu.append(res["e2e_cpu_s"])

@@ -25,11 +25,13 @@ from dataclasses import asdict, dataclass
 class RayLoader:
     """A raylazy row: one `raylazy.load(dir, tp, device="cpu", **options)` per run, fresh actors each time.
 
-    `reader`: which of the command's reader settings (threads, chunk_bytes, max_gap) it takes.
+    `reader`: which of the command's reader settings (threads, chunk_bytes, max_gap) it takes; `alone`: the
+    options instead when each rank runs alone on its node (rank-per-node), if they differ.
     """
 
     options: dict
     reader: tuple[str, ...] = ("max_gap",)
+    alone: dict | None = None
 
 
 #: Loaders that run in benchmark-owned rank processes (worker.py), started once per tp, all of a run's ranks
@@ -38,6 +40,8 @@ PROCESS_LOADERS = ("naive", "lazy", "fastsafetensors", "runai", "raw")
 RAY_LOADERS = {
     "raylazy-ranged": RayLoader({"backend": "ranged"}, ("threads", "chunk_bytes", "max_gap")),
     "raylazy-fst": RayLoader({"backend": "fastsafetensors", "nogds": True}),
+    # the default ("auto"): ranks sharing a node read cooperatively; a rank alone on its node reads ranged
+    "raylazy-coop": RayLoader({"backend": "cooperative"}, ("threads", "max_gap"), alone={"backend": "ranged"}),
 }
 ALL_LOADERS = PROCESS_LOADERS[:4] + tuple(RAY_LOADERS) + ("raw",)
 
