@@ -82,8 +82,8 @@ class ReaderOptions(BaseModel):
     threads: int = Field(4, ge=1, le=64)
     #: Largest window of a shard one read job fills; staging buffers have this size (ranged).
     chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
-    #: cooperative: largest stripe a node's reader reads in one request; each reader thread stages one stripe,
-    #: so a rank's staging is at most threads x stripe_bytes.
+    #: cooperative: largest stripe a node's reader brings into the page cache in one go (nothing is staged;
+    #: before Linux 5.14 each reader thread stages one stripe: threads x stripe_bytes).
     stripe_bytes: int = Field(DEFAULT_STRIPE_BYTES, ge=4096)
     #: cooperative: a keeper waiting this long with no stripe of its becoming ready fails (its reader died).
     stripe_timeout_s: float = Field(300.0, gt=0)

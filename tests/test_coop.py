@@ -90,6 +90,19 @@ def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_
                 assert s.staging_bytes <= ReaderOptions().threads * 8192
 
 
+def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
+    """Before Linux 5.14 (no MADV_POPULATE_READ) readers read each stripe into a scratch buffer: same shards,
+    and the scratch is the staging reported."""
+    import raylazy.io.coop as coop
+
+    monkeypatch.setattr(coop, "_POPULATE", 0)  # the forked ranks inherit it
+    plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
+    results = _ok(run_nodes(plan))
+    check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
+    readers = [results[r][1] for r in range(4) if results[r][1].requests]
+    assert readers and all(0 < s.staging_bytes <= ReaderOptions().threads * 8192 for s in readers)
+
+
 def test_out_buffers_are_filled_in_place(llama_dir):
     plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
     results = _ok(run_nodes(plan, use_out=True))
