@@ -211,7 +211,9 @@ class TestShards:
 
     def test_bytes_read_match_plan(self, case):
         """rchar of every rank's process over its load() = the planned bytes (its ranges, or its node's stripes it
-        reads when cooperative) + the header re-read, within 2%."""
+        reads when cooperative) + the header re-read, within 2%. Cooperative readers populate their stripes
+        through a mapping (MADV_POPULATE_READ) where the kernel has it, which rchar does not count: they
+        stage nothing then (staging_buffers == 0) and only their header re-reads are read calls."""
         kind, tp, model_dir, loaded = case
         windows = ray.get([a.rchar_window.remote() for a in loaded.actors], timeout=60)
         measured, expected = 0, 0
@@ -225,8 +227,9 @@ class TestShards:
                 planned = sum(node.stripes[i].end - node.stripes[i].start for i in node.read_by(rp.rank))
             headers = sum(header_bytes(loaded.plan.files[i].uri) for i in used)  # open_verified: 8 + N per file
             assert stats.bytes_read == planned and stats.bytes_needed == rp.stats.bytes_needed
+            populated = stats.backend == "cooperative" and stats.staging_buffers == 0
             measured += end - start
-            expected += planned + headers
+            expected += (0 if populated else planned) + headers
         assert expected > 0
         assert measured >= expected, f"{kind} tp={tp}: ranks read {measured} bytes, fewer than the {expected} planned"
         assert abs(measured - expected) <= 0.02 * expected, (
