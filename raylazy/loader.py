@@ -131,13 +131,14 @@ def load(
     (default 1; or a `mesh`): each rank's actor reads only its byte ranges onto its device.
 
     rules: sharding rules before the preset (see `raylazy.rules`). device: "auto" (the GPU Ray gives the
-    rank, else the CPU), "cpu" or "cuda". backend: "auto" (cooperative for CPU ranks sharing a node, else
-    ranged), "ranged", "cooperative" or "fastsafetensors". actor_cls: the rank
-    actor's class, `RankLoader` or a subclass. Options (validated before anything starts; see
-    `raylazy.options`, a ConfigurationError otherwise): preset, uneven, max_gap (PlanOptions); queue_size,
-    threads, chunk_bytes, stripe_bytes, stripe_timeout_s, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy, autoscale,
-    placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
-    Joins the Ray in use (or RAY_ADDRESS, or one running on this machine), else starts a local one.
+    rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
+    page cache on CPUs, "cooperative"; stripes exchanged over NCCL on GPUs, "exchange"; a rank alone on its node
+    reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
+    a subclass. Options (validated before anything starts, see `raylazy.options`; a ConfigurationError
+    otherwise): preset, uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes,
+    stripe_timeout_s, staging_budget, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
+    autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
+    Uses the Ray this process has initialised, else the cluster RAY_ADDRESS names, else starts a local one.
     """
     opts = load_options(tp=tp, mesh=mesh, device=device, backend=backend, **options)
     place = opts.placement
