@@ -81,12 +81,14 @@ class RankLoader:
         `raylazy.io.coop_exchange.ExchangeTask`) is what a node backend needs to read with the other ranks
         of the node. On failure nothing is kept."""
         self._shards, self._progress = None, Counter()
-        from .io.backends import get_backend
+        from .io.backends import backend_for, get_backend
 
-        backend = options.backend if options.backend != "auto" else "cooperative" if node else "ranged"
+        # the driver resolves "auto" per rank; a caller without a node task reads alone
+        backend = (options.backend if node is not None
+                   else backend_for(options.backend, 1, self.info_.device, plan.files))
         shards, stats = get_backend(backend).read(plan, self.info_.device, options=options,
-                                                          on_progress=self._progress.add,
-                                                          **({"node": node} if node is not None else {}))
+                                                  on_progress=self._progress.add,
+                                                  **({"node": node} if node is not None else {}))
         self._shards = shards
         return stats
 

@@ -61,6 +61,16 @@ class Counter:
             self._on_progress(n)
 
 
+def open_planned(plan: RankPlan, f: int) -> Source:
+    """`open_verified` for file `f` of a rank plan; a failure also names the rank's tensors that file holds."""
+    try:
+        return open_verified(plan.files[f])
+    except (FileChangedError, ReadError) as e:
+        names = [t.name for t in plan.tensors if any(r.file == f for r in t.reads)]
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})" if names else str(e)) from None
+
+
 def open_verified(ref: FileRef) -> Source:
     """Open a planned file after checking its size and header digest match the plan; read-ahead is off
     (the reader hints what it needs). The caller closes the returned source."""

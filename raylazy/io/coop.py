@@ -42,12 +42,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
-from ..errors import ConfigurationError, FileChangedError, ReadError
+from ..errors import ConfigurationError, ReadError
 from ..options import ReaderOptions
 from ..plans import NodeSchedule, RankPlan
 from ..schedule import NodeTask, rank_keeps
 from ..storage import LocalSource, Source
-from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
+from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
 
 PENDING, READY, FAILED = 0, 1, 2
 #: madvise(MADV_POPULATE_READ) (Linux >= 5.14; Python's mmap module lacks the constant); 0 once it failed.
@@ -130,12 +130,7 @@ def read_rank_cooperative(
 
 
 def _open_local(plan: RankPlan, f: int) -> LocalSource:
-    try:
-        source = open_verified(plan.files[f])
-    except (FileChangedError, ReadError) as e:
-        names = [t.name for t in plan.tensors if any(r.file == f for r in t.reads)]
-        held = f" (holds tensor {names[0]!r}{f' and {len(names) - 1} more' if len(names) > 1 else ''})" if names else ""
-        raise type(e)(f"{e}{held}") from None
+    source = open_planned(plan, f)
     if not isinstance(source, LocalSource):
         source.close()
         raise ConfigurationError(f"{plan.files[f].uri}: cooperative reads map local files only: use backend='ranged'")

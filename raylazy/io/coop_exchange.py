@@ -34,7 +34,7 @@ from ..errors import ConfigurationError, ReadError
 from ..options import ReaderOptions
 from ..plans import NodeSchedule, Plan, RankPlan, Stripe
 from ..schedule import Keep, rank_keeps
-from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
+from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
 from .exchange import Exchange, backend_for
 
 
@@ -174,7 +174,7 @@ def read_rank_exchanged(
     sources = {}
     try:
         for f in sorted({sched.stripes[s].file for s in rounds.own[me]}):
-            sources[f] = open_verified(plan.files[f])
+            sources[f] = open_planned(plan, f)
         with Exchange(backend_for(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)) as ex, \
                 _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size, on_device) as reader:
             for t in range(rounds.count):

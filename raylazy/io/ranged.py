@@ -17,12 +17,12 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Mapping
 
-from ..errors import FileChangedError, ReadError
+from ..errors import ReadError
 from ..plans import RankPlan, Read
 from ..schedule import RankSchedule, Window, rank_schedule
 from ..options import ReaderOptions
 from ..storage import Source
-from .common import Counter, Progress, ReadStats, open_verified, shard_buffers
+from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -60,12 +60,7 @@ def read_rank(
     sources: dict[int, Source] = {}
     try:
         for i in used:
-            try:
-                sources[i] = open_verified(plan.files[i])  # read-ahead off: no bytes past the planned ranges
-            except (FileChangedError, ReadError) as e:  # say which of this rank's tensors the file holds
-                names = [t.name for t in plan.tensors if any(r.file == i for r in t.reads)]
-                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-                raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})") from None
+            sources[i] = open_planned(plan, i)  # read-ahead off: no bytes past the planned ranges
         schedule = schedule or rank_schedule(plan, options.chunk_bytes)
         jobs = schedule.windows
         reader = _Reader(plan, sources, counter)
