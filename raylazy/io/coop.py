@@ -151,7 +151,9 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
 
     global _POPULATE
     view = None
-    maps: dict[int, tuple[mmap.mmap, int]] = {}  # file -> (mapping, its address)
+    # file -> (mapping, its address): a shared read-only mapping of the reader's own; populating through the
+    # keeper's private mapping instead was slower (tp=4, 1.98 GB, cold: 1.42-1.47 s against 1.12-1.22 s)
+    maps: dict[int, tuple[mmap.mmap, int]] = {}
     try:
         for i in todo:  # next() on a shared list iterator is atomic under the GIL
             if stop.is_set():
