@@ -1,9 +1,10 @@
 """The device mesh: named parallel dimensions, the world size, and each rank's coordinates.
 
-Ranks are numbered row-major over `DIMS` (outermost first), so `tp` varies
-fastest: with `Mesh(pp=2, tp=4)` ranks 0-3 form the first pipeline stage. Only
-`tp` is planned today; `pp`, `ep` and `dp` (replicas) are named so that adding
-them adds planning, not a new way to describe the world.
+Ranks are numbered row-major over `DIMS` (outermost first): replicas, then pipeline
+stages, then tensor-parallel ranks, so `tp` varies fastest. With `Mesh(pp=2, tp=4)`
+ranks 0-3 form the first pipeline stage; with `Mesh(dp=2, pp=2, tp=4)` ranks 0-7 are
+the first replica's whole stage grid. Expert parallelism is not a dimension: as in
+vLLM, experts are spread over the tp ranks of a stage (a planning option).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigurationError
 
-#: The dimensions a mesh may name, outermost first: pipeline stages, data-parallel replicas,
-#: expert parallel, tensor parallel.
-DIMS = ("pp", "dp", "ep", "tp")
+#: The dimensions a mesh may name, outermost first: data-parallel replicas, pipeline stages,
+#: tensor parallel.
+DIMS = ("dp", "pp", "tp")
 
 
 class Mesh(BaseModel):
@@ -25,9 +26,8 @@ class Mesh(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    pp: int = Field(1, ge=1, le=4096)
     dp: int = Field(1, ge=1, le=4096)
-    ep: int = Field(1, ge=1, le=4096)
+    pp: int = Field(1, ge=1, le=4096)
     tp: int = Field(1, ge=1, le=4096)
 
     def __init__(self, **dims: int):

@@ -29,14 +29,14 @@ from raylazy.rules import Rule, read_rules
 
 def test_mesh_ranks_and_coordinates():
     m = Mesh(pp=2, dp=3, tp=4)
-    assert m.size == 24 and m.shape == {"pp": 2, "dp": 3, "ep": 1, "tp": 4} and tuple(m.shape) == DIMS
-    # row-major, tp fastest: rank = ((pp * dp_size + dp) * ep_size + ep) * tp_size + tp
+    assert m.size == 24 and m.shape == {"dp": 3, "pp": 2, "tp": 4} and tuple(m.shape) == DIMS
+    # row-major, replica outermost, tp fastest: rank = (dp * pp_size + pp) * tp_size + tp
     for rank in range(24):
         c = m.coords(rank)
-        assert rank == ((c["pp"] * 3 + c["dp"]) * 1 + c["ep"]) * 4 + c["tp"]
+        assert rank == (c["dp"] * 2 + c["pp"]) * 4 + c["tp"]
         assert m.rank(**c) == rank
-    assert m.coords(5) == {"pp": 0, "dp": 1, "ep": 0, "tp": 1} and m.rank(pp=1) == 12
-    assert repr(m) == "Mesh(pp=2, dp=3, tp=4)" and Mesh() == Mesh(tp=1) and Mesh(tp=8) == Mesh(tp=8)
+    assert m.coords(5) == {"dp": 0, "pp": 1, "tp": 1} and m.rank(dp=1) == 8
+    assert repr(m) == "Mesh(dp=3, pp=2, tp=4)" and Mesh() == Mesh(tp=1) and Mesh(tp=8) == Mesh(tp=8)
     with pytest.raises(ConfigurationError, match="rank 24"):
         m.coords(24)
     with pytest.raises(ConfigurationError, match="tp=4"):
@@ -57,7 +57,7 @@ def test_plan_records_its_mesh(llama_dir):
     assert plan == make_plan(llama_dir, 4)
     assert plan.mesh == Mesh(tp=4) and plan.tp == 4
     for rp in plan.ranks:
-        assert rp.mesh == plan.mesh and rp.tp == 4 and rp.coords == {"pp": 0, "dp": 0, "ep": 0, "tp": rp.rank}
+        assert rp.mesh == plan.mesh and rp.tp == 4 and rp.coords == {"dp": 0, "pp": 0, "tp": rp.rank}
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.mesh == Mesh(tp=4) and back.ranks[3].coords["tp"] == 3
     assert pickle.loads(pickle.dumps(plan)).ranks[2].coords == plan.ranks[2].coords
@@ -136,7 +136,7 @@ def test_a_user_placement_plans_like_the_builtin_ones(llama_dir):
     plan = make_plan(llama_dir, 4, rules=rules)
     files = read_files(plan)
     assert {(name, c["tp"]) for name, c in SEEN} == {(n, r) for n in (q, gate) for r in range(4)}
-    assert all(c == {"pp": 0, "dp": 0, "ep": 0, "tp": c["tp"]} for _, c in SEEN)
+    assert all(c == {"dp": 0, "pp": 0, "tp": c["tp"]} for _, c in SEEN)
     g0, g1 = ref[gate][:64], ref[gate][64:]  # gate_proj [128, 64] read as two packed parts of 64 rows
     for rank, rp in enumerate(plan.ranks):
         by_name = {t.name: t for t in rp.tensors}
