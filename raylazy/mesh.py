@@ -9,6 +9,8 @@ vLLM, experts are spread over the tp ranks of a stage (a planning option).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigurationError
@@ -16,6 +18,15 @@ from .errors import ConfigurationError
 #: The dimensions a mesh may name, outermost first: data-parallel replicas, pipeline stages,
 #: tensor parallel.
 DIMS = ("dp", "pp", "tp")
+
+
+class Coord(NamedTuple):
+    """One global rank's place in the mesh: its replica, pipeline stage and tensor-parallel rank."""
+
+    rank: int
+    replica: int
+    stage: int
+    tp_rank: int
 
 
 class Mesh(BaseModel):
@@ -57,6 +68,11 @@ class Mesh(BaseModel):
         for d in reversed(DIMS):
             rank, out[d] = divmod(rank, getattr(self, d))
         return {d: out[d] for d in DIMS}
+
+    def coord(self, rank: int) -> Coord:
+        """Rank -> its `Coord` (replica, stage, tp_rank)."""
+        c = self.coords(rank)
+        return Coord(rank, c["dp"], c["pp"], c["tp"])
 
     def rank(self, **coords: int) -> int:
         """Coordinates (missing ones are 0) -> the rank."""

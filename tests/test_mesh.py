@@ -35,6 +35,8 @@ def test_mesh_ranks_and_coordinates():
         c = m.coords(rank)
         assert rank == (c["dp"] * 2 + c["pp"]) * 4 + c["tp"]
         assert m.rank(**c) == rank
+        assert m.coord(rank) == (rank, c["dp"], c["pp"], c["tp"])
+    assert m.coord(13).replica == 1 and m.coord(13).stage == 1 and m.coord(13).tp_rank == 1
     assert m.coords(5) == {"dp": 0, "pp": 1, "tp": 1} and m.rank(dp=1) == 8
     assert repr(m) == "Mesh(dp=3, pp=2, tp=4)" and Mesh() == Mesh(tp=1) and Mesh(tp=8) == Mesh(tp=8)
     with pytest.raises(ConfigurationError, match="rank 24"):
