@@ -50,6 +50,8 @@ class ModelConfig:
     num_hidden_layers: int | None = None
     intermediate_size: int | None = None
     num_experts: int | None = None
+    #: Whether the head reuses the input embeddings (None: config.json does not say).
+    tie_word_embeddings: bool | None = None
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -61,8 +63,12 @@ class ModelConfig:
         if values["model_type"] is not None and not isinstance(values["model_type"], str):
             raise ModelConfigError(f"{source}: model_type must be a string, got {values['model_type']!r}")
         aliases = {"num_experts": ("num_local_experts", "num_experts", "n_routed_experts")}
+        tied = raw.get("tie_word_embeddings")
+        if tied is not None and type(tied) is not bool:
+            raise ModelConfigError(f"{source}: tie_word_embeddings must be true or false, got {tied!r}")
+        values["tie_word_embeddings"] = tied
         for f in fields(cls):
-            if f.name == "model_type":
+            if f.name in values:
                 continue
             value = next((raw[k] for k in aliases.get(f.name, (f.name,)) if raw.get(k) is not None), None)
             if value is not None and (type(value) is not int or value <= 0):

@@ -157,6 +157,11 @@ class RuleFileError(RuleError):
     """A rules file (`--rules FILE`) that is not a JSON list of valid rules; names the file and the entry."""
 
 
+class StageError(ShardingError):
+    """A tensor no pipeline stage can be given: no layer index in its name and no rule naming its stage, or a
+    layer index past config.json's `num_hidden_layers` (or no layer count to partition)."""
+
+
 class PartialByteSliceError(ShardingError, PartialByteError):
     """A slice of a sub-byte tensor that does not start and end on whole bytes."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional, TypeVar
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -31,11 +31,16 @@ def validated(model_cls: type[M], **kwargs: Any) -> M:
 
 
 class PlanOptions(BaseModel):
-    """How `raylazy.plan` plans: the mesh (given as `tp=N` or `mesh=Mesh(...)`), preset, uneven, max_gap."""
+    """How `raylazy.plan` plans: the mesh (given as `tp=N, pp=M` or `mesh=Mesh(...)`), the stages' layers,
+    expert parallelism, preset, uneven, max_gap."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     mesh: Mesh
+    #: Layers per pipeline stage (None: vLLM's even split, `raylazy.stages.partition`).
+    pp_layers: Optional[tuple[Annotated[int, Field(ge=0)], ...]] = None
+    #: Whole routed experts to the tp ranks of their stage (`raylazy.placements.Expert`) instead of tp slices.
+    expert_parallel: bool = False
     preset: Optional[str] = "auto"
     uneven: Literal["error", "chunk", "pad"] = "error"
     #: Row gaps of at most this many bytes are read as one request.
@@ -43,25 +48,34 @@ class PlanOptions(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _tp_or_mesh(cls, data: Any) -> Any:
+    def _dims_or_mesh(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        tp = data.pop("tp", None)
-        if tp is not None and data.get("mesh") is not None:
-            raise ValueError(f"give tp (got {tp!r}) or mesh (got {data.get('mesh')!r}), not both")
+        dims = {d: n for d in ("tp", "pp") if (n := data.pop(d, None)) is not None}
+        if dims and data.get("mesh") is not None:
+            given = ", ".join(f"{d}={n!r}" for d, n in dims.items())
+            raise ValueError(f"give {given} or mesh (got {data.get('mesh')!r}), not both")
         if data.get("mesh") is None:  # neither: one rank, as everywhere in raylazy
-            data["mesh"] = Mesh(tp=1 if tp is None else tp)
+            data["mesh"] = Mesh(**dims)
+        if isinstance(data.get("pp_layers"), list):
+            data["pp_layers"] = tuple(data["pp_layers"])
         return data
 
     @field_validator("mesh")
     @classmethod
     def _planned_dims(cls, mesh: Mesh) -> Mesh:
-        unsupported = {d: n for d, n in mesh.shape.items() if d != "tp" and n > 1}
-        if unsupported:
-            raise ValueError(f"{', '.join(f'{d}={n}' for d, n in unsupported.items())} is not supported yet: raylazy "
-                             "plans tensor parallelism only; give a mesh whose other dimensions are 1")
+        if mesh.dp > 1:
+            raise ValueError(f"dp={mesh.dp} is not supported yet: raylazy plans pipeline stages and tensor "
+                             "parallelism only; give a mesh with dp=1")
         return mesh
+
+    @model_validator(mode="after")
+    def _one_count_per_stage(self) -> "PlanOptions":
+        if self.pp_layers is not None and len(self.pp_layers) != self.mesh.pp:
+            raise ValueError(f"pp_layers={list(self.pp_layers)} gives {len(self.pp_layers)} stage(s), the mesh has "
+                             f"pp={self.mesh.pp}: give one layer count per stage")
+        return self
 
     @property
     def tp(self) -> int:
@@ -135,7 +149,7 @@ class LoadOptions(BaseModel):
         return self.plan.tp
 
 
-#: The option groups of `raylazy.load`, each taking its own keyword options (the plan also takes `tp`).
+#: The option groups of `raylazy.load`, each taking its own keyword options (the plan also takes `tp` and `pp`).
 _GROUPS = {"plan": PlanOptions, "reader": ReaderOptions, "placement": PlacementOptions}
 
 
@@ -153,6 +167,7 @@ def load_options(**kwargs) -> LoadOptions:
     groups: dict[str, dict] = {name: {} for name in _GROUPS}
     top = {}
     for key, value in kwargs.items():
-        owner = next((g for g, cls in _GROUPS.items() if key in cls.model_fields or (g, key) == ("plan", "tp")), None)
+        owner = next((g for g, cls in _GROUPS.items() if key in cls.model_fields or (g == "plan" and key in ("tp", "pp"))),
+                     None)
         (groups[owner] if owner else top)[key] = value
     return validated(LoadOptions, **top, **{g: validated(cls, **groups[g]) for g, cls in _GROUPS.items()})

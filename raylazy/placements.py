@@ -10,6 +10,7 @@ the shard that no piece fills (padding) are zero. Every placement subclasses
 from __future__ import annotations
 
 import functools
+import re
 from abc import ABC, abstractmethod
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, get_type_hints
@@ -45,7 +46,8 @@ class ShardContext:
 
     `rank` and `tp` are the rank's tensor-parallel coordinate and the tp size (what
     most placements need); `coords` holds the rank's coordinate along every mesh
-    dimension (`raylazy.mesh.DIMS`); `name` is the tensor's name.
+    dimension (`raylazy.mesh.DIMS`); `name` is the tensor's name; `expert_parallel`
+    and `num_experts` (config.json's) are for `Expert`.
     """
 
     rank: int
@@ -55,6 +57,8 @@ class ShardContext:
     uneven: Uneven = "error"
     name: str = ""
     coords: Mapping[str, int] = field(default_factory=dict)
+    expert_parallel: bool = False
+    num_experts: int | None = None
 
 
 #: Placement classes by the type name rule files use (`{"type": "split", "dim": -1}`).
@@ -90,6 +94,11 @@ class Placement(ABC):
     @abstractmethod
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing | None:
         """The part of a tensor of `shape` that rank `ctx` gets; None: the whole tensor."""
+
+    def holders(self, shape: tuple[int, ...], ctx: ShardContext) -> tuple[int, ...] | None:
+        """The tp ranks that get any of the tensor (e.g. the one holding an expert); None: every tp rank.
+        Asked once per tensor and stage: `ctx` is that of the stage's first rank."""
+        return None
 
     def fused_units(self, ctx: ShardContext) -> int | None:
         """As a part of `Fused`: its size along the fused dim in units (e.g. heads); None: an equal share."""
@@ -293,6 +302,80 @@ class Fused(Placement, type_name="fused"):
         if total % sum(units):
             raise RuleError(f"fused: {total} rows are not divisible into {sum(units)} heads")
         return [u * (total // sum(units)) for u in units]
+
+
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Expert(Placement, type_name="expert"):
+    """A routed MoE expert's tensor: sharded by `placement` over the tp ranks, unless the plan is expert-parallel:
+    then whole experts go to the tp ranks in contiguous blocks (`expert_block`, vLLM's linear expert map: rank r
+    of tp gets experts [r*E/tp, (r+1)*E/tp), the first E % tp ranks one more when tp does not divide E).
+
+    `dim` None: one expert per tensor, its number after `experts.` in the name (`...experts.7.w1.weight`), held
+    whole by its rank only. `dim` d: experts fused along dim d of one tensor (`[E, 2I, H]`), each rank
+    reading its block of them. `experts` overrides the expert count (config.json's, or a fused tensor's dim).
+    """
+
+    placement: Placement
+    dim: int | None = None
+    experts: int | None = None
+
+    def describe(self) -> str:
+        inner = self.placement.describe()
+        return f"expert({inner})" if self.dim is None else f"expert({inner}; dim={self.dim})"
+
+    def holders(self, shape: tuple[int, ...], ctx: ShardContext) -> tuple[int, ...] | None:
+        if not ctx.expert_parallel or self.dim is not None:
+            return None
+        count = self.count(ctx)
+        return (expert_owner(expert_index(ctx.name, count), ctx.tp, count),)
+
+    def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing | None:
+        if not ctx.expert_parallel:
+            return self.placement.slicing(shape, ctx)
+        if self.dim is None:
+            return None
+        dim = _norm_dim(self.dim, shape)
+        if self.experts not in (None, shape[dim]):
+            raise RuleError(f"expert: dim {dim} holds {shape[dim]} experts, not the {self.experts} given")
+        start, n = expert_block(ctx.rank, ctx.tp, shape[dim])
+        return Slicing(dim, n, (Piece(start, 0, n),) if n else ())
+
+    def count(self, ctx: ShardContext) -> int:
+        """The number of experts of a per-expert tensor: `experts`, else config.json's."""
+        n = self.experts or ctx.num_experts
+        if not n:
+            raise RuleError("expert: the number of experts is unknown: config.json has no num_local_experts, "
+                            "num_experts or n_routed_experts; pass Expert(placement, experts=N) in your rules")
+        return n
+
+
+def expert_index(name: str, count: int) -> int:
+    """The expert a per-expert tensor's name holds (the number after `experts.`), checked against the count."""
+    m = _EXPERT.search(name)
+    if m is None:
+        raise RuleError(f"expert: {name!r} names no expert ('experts.<e>.'); for experts fused in one tensor "
+                        "give the expert dim: Expert(placement, dim=0)")
+    e = int(m.group(1))
+    if e >= count:
+        raise RuleError(f"expert: {name!r} is expert {e}, but the model has {count} experts (0-{count - 1})")
+    return e
+
+
+def expert_block(rank: int, ranks: int, experts: int) -> tuple[int, int]:
+    """(first expert, count) of rank `rank` of `ranks`: contiguous blocks of experts // ranks, the first
+    experts % ranks ranks one more (vLLM's `determine_expert_map`, linear placement)."""
+    base, extra = divmod(experts, ranks)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def expert_owner(expert: int, ranks: int, experts: int) -> int:
+    """The rank whose `expert_block` holds `expert`."""
+    base, extra = divmod(experts, ranks)
+    big = extra * (base + 1)  # experts held by the first `extra` ranks, one more each
+    return expert // (base + 1) if expert < big else extra + (expert - big) // base
 
 
 def _norm_dim(dim: int, shape: tuple[int, ...]) -> int:

@@ -270,6 +270,7 @@ class Plan(_Frozen):
         naive = self.checkpoint_bytes
         lines = [
             f"plan: {self.root} ({self.model_type or 'unknown model type'}), tp={self.tp}, "
+            f"{f'pp={self.mesh.pp}, ' if self.mesh.pp > 1 else ''}"
             f"{len(self.files)} file(s), {format_bytes(naive)} in the checkpoint",
             f"{'rank':>4} {'tensors':>8} {'needed':>11} {'read':>11} {'requests':>9} {'files':>5}",
         ]
@@ -282,7 +283,7 @@ class Plan(_Frozen):
         total = self.bytes_read
         lines.append(
             f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
-            f"whole on every rank would be {self.tp:.0f}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
+            f"whole on every rank would be {len(self.ranks)}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
         )
         for n in self.nodes:
             needed = sum(self.ranks[r].stats.bytes_needed for r in n.ranks)

@@ -2,7 +2,9 @@
 
 A rule is a pattern (a glob by default, a regular expression with `regex=True`)
 and a placement. The first rule that matches a name wins. User rules go before
-the preset chosen from config.json's `model_type`, so they override it.
+the preset chosen from config.json's `model_type`, so they override it. A rule may
+also name the pipeline stage of tensors without a layer index (`raylazy.stages`):
+the first matching rule that names one decides.
 """
 
 from __future__ import annotations
@@ -12,21 +14,26 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union, get_args
 
 from .errors import RuleError, RuleFileError, UnknownArchitectureError, UnmatchedTensorError
-from .placements import Fused, Heads, Placement, Replicated, Skip, Split, placement_from_dict
+from .placements import Expert, Fused, Heads, Placement, Replicated, Skip, Split, placement_from_dict
+from .stages import Stage
 
 
 @dataclass(frozen=True)
 class Rule:
-    """Tensors whose name matches `pattern` get `placement`."""
+    """Tensors whose name matches `pattern` get `placement`; those without a layer index go to `stage`
+    ("first", "last", "all" or "embedding", see `raylazy.stages`) when the mesh has pipeline stages."""
 
     pattern: str
     placement: Placement
     regex: bool = False
+    stage: Optional[Stage] = None
 
     def __post_init__(self):
+        if self.stage is not None and self.stage not in get_args(Stage):
+            raise RuleError(f"rule {self.pattern!r}: stage {self.stage!r} is not one of {', '.join(get_args(Stage))}")
         try:
             object.__setattr__(self, "_re", re.compile(self.pattern if self.regex else fnmatch.translate(self.pattern)))
         except re.error as e:
@@ -36,7 +43,7 @@ class Rule:
         return self._re.fullmatch(name) is not None
 
     def __reduce__(self):  # the compiled pattern is derived; rebuild it after pickling
-        return (Rule, (self.pattern, self.placement, self.regex))
+        return (Rule, (self.pattern, self.placement, self.regex, self.stage))
 
 
 RulesLike = Union[Sequence[Union[Rule, tuple]], Mapping[str, Placement]]
@@ -54,22 +61,58 @@ _LLAMA = (
     Rule("*.mlp.up_proj.*", COLUMN),
     Rule("*.mlp.down_proj.weight", ROW),
     Rule("*.bias", Replicated()),  # row-parallel biases (o_proj, down_proj) are added once, after the reduce
+    Rule("model.norm.weight", Replicated(), stage="last"),  # the final norm
     Rule("*norm.weight", Replicated()),
     Rule("*.rotary_emb.inv_freq", Skip()),
-    Rule("model.embed_tokens.weight", COLUMN),  # vocab-parallel
-    Rule("lm_head.weight", COLUMN),
+    Rule("model.embed_tokens.weight", COLUMN, stage="embedding"),  # vocab-parallel
+    Rule("lm_head.weight", COLUMN, stage="last"),
 )
 
-_MIXTRAL_EXPERTS = (
-    Rule("*.block_sparse_moe.gate.weight", Replicated()),
-    Rule("*.block_sparse_moe.experts.*.w1.weight", COLUMN),
-    Rule("*.block_sparse_moe.experts.*.w3.weight", COLUMN),
-    Rule("*.block_sparse_moe.experts.*.w2.weight", ROW),
-    Rule("*.mlp.gate.weight", Replicated()),
-    # transformers 5 writes experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-    Rule("*.mlp.experts.gate_up_proj", Fused((Split(1), Split(1)), dim=1)),
-    Rule("*.mlp.experts.down_proj", Split(-1)),
+#: Routed experts: tp-sharded like an MLP, or with expert parallel whole experts to one rank each.
+#: transformers 5 holds them fused in memory (and checkpoints saved from its state_dict have them so on disk):
+#: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
+_FUSED_EXPERTS = (
+    Rule("*.experts.gate_up_proj", Expert(Fused((Split(1), Split(1)), dim=1), dim=0)),
+    Rule("*.experts.down_proj", Expert(Split(-1), dim=0)),
+    Rule("*.mlp.gate.weight", Replicated()),  # the router
 )
+
+_MIXTRAL = (
+    Rule("*.block_sparse_moe.gate.weight", Replicated()),
+    Rule("*.block_sparse_moe.experts.*.w1.weight", Expert(COLUMN)),
+    Rule("*.block_sparse_moe.experts.*.w3.weight", Expert(COLUMN)),
+    Rule("*.block_sparse_moe.experts.*.w2.weight", Expert(ROW)),
+) + _FUSED_EXPERTS + _LLAMA
+
+#: Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3 name routed experts `mlp.experts.<e>.{gate,up,down}_proj`; shared
+#: experts and dense layers are tp-sharded MLPs (as vLLM shards them). The routed experts' rules come first:
+#: they match most tensors of these models.
+_ROUTED = (
+    Rule("*.mlp.experts.*.gate_proj.weight", Expert(COLUMN)),
+    Rule("*.mlp.experts.*.up_proj.weight", Expert(COLUMN)),
+    Rule("*.mlp.experts.*.down_proj.weight", Expert(ROW)),
+)
+
+_QWEN_MOE = _ROUTED + (
+    Rule("*.mlp.shared_expert.gate_proj.weight", COLUMN),
+    Rule("*.mlp.shared_expert.up_proj.weight", COLUMN),
+    Rule("*.mlp.shared_expert.down_proj.weight", ROW),
+    Rule("*.mlp.shared_expert_gate.weight", Replicated()),
+) + _FUSED_EXPERTS + _LLAMA
+
+#: DeepSeek-V2/V3 multi-head latent attention: the low-rank down-projections are replicated, the up-projections
+#: split by whole heads (q_b_proj: heads x qk_head_dim rows, kv_b_proj: heads x (qk_nope + v) rows), o_proj
+#: row-parallel; the router's score correction bias is replicated.
+_DEEPSEEK = _ROUTED + (
+    Rule("*.self_attn.q_a_proj.weight", Replicated()),
+    Rule("*.self_attn.kv_a_proj_with_mqa.weight", Replicated()),
+    Rule("*.self_attn.q_b_proj.weight", Heads("q")),
+    Rule("*.self_attn.kv_b_proj.weight", Heads("q")),
+    Rule("*.mlp.shared_experts.gate_proj.weight", COLUMN),
+    Rule("*.mlp.shared_experts.up_proj.weight", COLUMN),
+    Rule("*.mlp.shared_experts.down_proj.weight", ROW),
+    Rule("*.mlp.gate.e_score_correction_bias", Replicated()),
+) + _FUSED_EXPERTS + _LLAMA
 
 #: Rules of the on-disk tensor names of each supported `model_type`.
 PRESETS: Mapping[str, tuple[Rule, ...]] = {
@@ -77,7 +120,11 @@ PRESETS: Mapping[str, tuple[Rule, ...]] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
-    "mixtral": _MIXTRAL_EXPERTS + _LLAMA,
+    "mixtral": _MIXTRAL,
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
+    "deepseek_v2": _DEEPSEEK,
+    "deepseek_v3": _DEEPSEEK,
 }
 
 
@@ -118,13 +165,13 @@ def _rule_entry(path, i: int, entry) -> Rule:
         if not isinstance(entry, dict):
             raise RuleError(f'expected an object {{"pattern": ..., "placement": ...}}, got {entry!r}')
         where += f" ({entry.get('pattern')!r})"
-        unknown = set(entry) - {"pattern", "placement", "regex"}
+        unknown = set(entry) - {"pattern", "placement", "regex", "stage"}
         if unknown or not {"pattern", "placement"} <= set(entry):
-            raise RuleError(f'an entry has "pattern", "placement" and optionally "regex", got keys {sorted(entry)}')
+            raise RuleError(f'an entry has "pattern", "placement" and optionally "regex" and "stage", got keys {sorted(entry)}')
         pattern, regex = entry["pattern"], entry.get("regex", False)
         if not isinstance(pattern, str) or type(regex) is not bool:
             raise RuleError(f'"pattern" must be a string and "regex" true or false, got {pattern!r} and {regex!r}')
-        return Rule(pattern, placement_from_dict(entry["placement"]), regex)
+        return Rule(pattern, placement_from_dict(entry["placement"]), regex, entry.get("stage"))
     except RuleError as e:
         raise RuleFileError(f"{where}: {e}") from None
 
@@ -162,3 +209,8 @@ def match(rules: Iterable[Rule], names: Iterable[str]) -> dict[str, Rule]:
             "(Replicated() to load whole on every rank, Skip() to leave them out)"
         )
     return found
+
+
+def stage_of(rules: Iterable[Rule], name: str) -> Stage | None:
+    """The stage the first matching rule that names one gives `name` (None: no rule does)."""
+    return next((r.stage for r in rules if r.stage is not None and r.matches(name)), None)

@@ -290,10 +290,10 @@ def test_mixtral_experts_split_router_replicated(mixtral_dir, tp):
             p = f"model.layers.1.block_sparse_moe.experts.{e}."
             for w in ("w1", "w3"):  # gate / up: column-parallel
                 shard = _shard(plan, r, p + w + ".weight")
-                assert shard.placement == "split(dim=0)" and len(shard.reads) == 1 and shard.reads[0].count == 1
+                assert shard.placement == "expert(split(dim=0))" and len(shard.reads) == 1 and shard.reads[0].count == 1
                 _check_shard_bytes(plan, shard, ref[shard.name][r * per : (r + 1) * per])
             shard = _shard(plan, r, p + "w2.weight")  # down: row-parallel
-            assert shard.placement == "split(dim=-1)" and len(shard.reads) == 1 and shard.reads[0].count == 64
+            assert shard.placement == "expert(split(dim=-1))" and len(shard.reads) == 1 and shard.reads[0].count == 64
             _check_shard_bytes(plan, shard, ref[shard.name][:, r * per : (r + 1) * per])
         router = _shard(plan, r, "model.layers.1.block_sparse_moe.gate.weight")
         assert router.placement == "replicated" and router.shape == (4, 64)

@@ -1,0 +1,74 @@
+"""Pipeline stages: which layers each stage holds (vLLM's partition, or one given), and the stages of a tensor.
+
+A tensor whose name has a layer index (`...layers.<i>.`) belongs to the stage holding layer i. Others go
+where the first matching rule that names a stage says: `"first"`, `"last"`, `"all"`, or `"embedding"` (the
+first stage, and the last too when the word embeddings are tied: the last stage uses them as its head).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Literal, Sequence
+
+from .errors import ConfigurationError, StageError
+
+Stage = Literal["first", "last", "all", "embedding"]
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor name belongs to (the number after its first `layers.`), or None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def partition(num_layers: int, pp: int, pp_layers: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Layers per stage: `pp_layers` when given (checked: pp counts summing to num_layers), else vLLM's
+    `get_pp_indices` split: num_layers // pp each, the remainder one more each to the stages just before the
+    last (stage pp-2, then pp-3, ...), since the last stage also holds the final norm and the head."""
+    if pp_layers is not None:
+        if len(pp_layers) != pp or sum(pp_layers) != num_layers:
+            raise ConfigurationError(f"pp_layers={list(pp_layers)} must give {pp} stage(s) layer counts summing to the "
+                                     f"model's {num_layers} layers (config.json num_hidden_layers)")
+        return tuple(pp_layers)
+    counts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        counts[-i] += 1
+    return tuple(counts)
+
+
+def stage_of_layers(counts: Sequence[int]) -> list[int]:
+    """Layer index -> its stage, for stages holding `counts` layers each in order."""
+    return [s for s, n in enumerate(counts) for _ in range(n)]
+
+
+def tensor_stages(
+    names: Iterable[str],
+    counts: Sequence[int],
+    stage_rule,
+    tied: bool,
+) -> dict[str, tuple[int, ...]]:
+    """Each name -> the stages that hold it. `stage_rule(name)` gives the stage a rule names for a tensor
+    without a layer index (None: no rule does); `tied`: the word embeddings are the head too."""
+    pp, by_layer = len(counts), stage_of_layers(counts)
+    named = {"first": (0,), "last": (pp - 1,), "all": tuple(range(pp)),
+             "embedding": tuple(sorted({0, pp - 1})) if tied else (0,)}
+    out = {}
+    for name in names:
+        layer = layer_index(name)
+        if layer is None:
+            stage = stage_rule(name)
+            if stage is None:
+                raise StageError(f"tensor {name!r} has no layer index (no 'layers.<i>.' in its name) and no rule names "
+                                 "its pipeline stage: add one, e.g. rules=[Rule('" + name + "', Replicated(), "
+                                 "stage='first')] ('first', 'last', 'all' or 'embedding')")
+            out[name] = named[stage]
+        elif layer >= len(by_layer):
+            raise StageError(f"tensor {name!r} is in layer {layer}, but config.json's num_hidden_layers is "
+                             f"{len(by_layer)} (layers 0-{len(by_layer) - 1}); extra layers (e.g. DeepSeek's "
+                             f"multi-token-prediction layer) are not planned: skip them with "
+                             f"rules=[('*layers.{layer}.*', Skip())]")
+        else:
+            out[name] = (by_layer[layer],)
+    return out
