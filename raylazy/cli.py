@@ -40,12 +40,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel world size (default 1, as raylazy.plan/load)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks are stage-major")
+    p.add_argument("--pp-layers", type=lambda v: [int(n) for n in v.split(",")], default=None, metavar="N,N,...",
+                   help="layers per stage (default: vLLM's even split, the remainder to the stages before the last)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="routed MoE experts whole to the tp ranks of their stage instead of tp slices")
     p.add_argument("--preset", default="auto", help="sharding preset (default: from config.json model_type)")
     p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
                    help="what to do with a dim tp does not divide")
     p.add_argument("--max-gap", type=int, default=0, help="read row gaps up to this many bytes as one request")
     p.add_argument("--rules", metavar="FILE", help='sharding rules (JSON list of {"pattern": ..., "placement": '
                    '{"type": ...}}), tried before the preset; see the README\'s "Sharding rules"')
+
+
+def _mesh_args(args) -> dict:
+    return {"pp": args.pp, "pp_layers": args.pp_layers, "expert_parallel": args.expert_parallel}
 
 
 def _rules(args):
@@ -57,12 +66,12 @@ def _rules(args):
 def _plan(args) -> int:
     from .planner import make_plan
 
-    plan = make_plan(args.model_dir, args.tp, rules=_rules(args), preset=args.preset, uneven=args.uneven,
-                     max_gap=args.max_gap)
-    per_node = args.ranks_per_node or plan.tp
+    plan = make_plan(args.model_dir, args.tp, rules=_rules(args), **_mesh_args(args), preset=args.preset,
+                     uneven=args.uneven, max_gap=args.max_gap)
+    per_node = args.ranks_per_node or len(plan.ranks)
     if per_node < 1:
         raise ConfigurationError(f"--ranks-per-node must be at least 1, got {per_node}")
-    plan = plan.for_nodes([f"node{r // per_node}" for r in range(plan.tp)], args.stripe_bytes)
+    plan = plan.for_nodes([f"node{r // per_node}" for r in range(len(plan.ranks))], args.stripe_bytes)
     if args.json == "-":
         print(plan.to_json())
         return 0
@@ -89,14 +98,15 @@ def _load(args) -> int:
             print(f"no model given: generated a Llama-shaped checkpoint in {model_dir}")
         if args.address:
             ray.init(address=args.address)
-        loaded = load(model_dir, args.tp, rules=rules, backend=args.backend, device=args.device,
+        loaded = load(model_dir, args.tp, **_mesh_args(args), rules=rules, backend=args.backend, device=args.device,
                       queue_size=args.queue_size, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
                       progress=False if args.no_progress else None)
         try:
-            print(f"{'rank':>4} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} {'requests':>9} {'seconds':>8}")
-            for info, st, rp in zip(loaded.ranks, loaded.stats, loaded.plan.ranks):
-                print(f"{info.rank:>4} {info.node_id[:10]:>10} {info.device:>7} {len(rp.tensors):>7} "
-                      f"{st.bytes_needed:>12} {st.requests:>9} {st.seconds:>8.3f}")
+            print(f"{'rank':>4} {'stage':>5} {'tp rank':>7} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} "
+                  f"{'requests':>9} {'seconds':>8}")
+            for info, c, st, rp in zip(loaded.ranks, loaded.mesh, loaded.stats, loaded.plan.ranks):
+                print(f"{info.rank:>4} {c.stage:>5} {c.tp_rank:>7} {info.node_id[:10]:>10} {info.device:>7} "
+                      f"{len(rp.tensors):>7} {st.bytes_needed:>12} {st.requests:>9} {st.seconds:>8.3f}")
             print(loaded.summary())
         finally:
             loaded.release()

@@ -1,9 +1,10 @@
-"""A rank group: one placement group and one actor per rank, their lifecycle, and calls gathered by rank.
+"""A rank group: its placement group(s) and one actor per rank, their lifecycle, and calls gathered by rank.
 
 The group is created before planning, so its actors start (import torch) while the
 driver reads headers. Every failure of a call over the group becomes one
 `RankFailedError` keyed by rank. `release()` kills the actors and removes the
-placement group, on every path.
+placement groups, on every path. Ranks are placed as one placement group, or one per
+pipeline stage (a placement group has one strategy: each stage is packed on its own).
 """
 
 from __future__ import annotations
@@ -21,17 +22,24 @@ from .schedule import NodeGroups, group_by_node
 
 @dataclass
 class RankGroup:
-    """The actors of one load, rank r in bundle r of `placement_group`; `ranks` once they are ready."""
+    """The actors of one load, the ranks in order over the bundles of `placement_groups` (one, or one per
+    pipeline stage); `ranks` once they are ready."""
 
     name: str
     actors: list
-    placement_group: Any
+    placement_groups: list
     ranks: list[RankInfo] = field(default_factory=list)
+
+    @property
+    def placement_group(self):
+        """The placement group (with one per pipeline stage, the first stage's); None once released."""
+        return self.placement_groups[0] if self.placement_groups else None
 
     @classmethod
     def create(cls, bundles: list[dict], device: str = "auto", strategy: str = "PACK", max_retries: int = 2,
-               actor_cls: type = RankLoader) -> "RankGroup":
-        """Create the placement group (one bundle per rank) and one `actor_cls` actor in each bundle.
+               actor_cls: type = RankLoader, groups: int = 1) -> "RankGroup":
+        """Create the placement group(s) (one bundle per rank; `groups` > 1: that many groups of consecutive
+        ranks, e.g. one per pipeline stage, each under `strategy`) and one `actor_cls` actor in each bundle.
 
         `actor_cls` is RankLoader or a subclass of it (to add methods of your own, or to observe
         the load: examples/autoscaling_experiment.py times each phase this way).
@@ -43,13 +51,20 @@ class RankGroup:
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, RankLoader)):
             raise ConfigurationError(f"actor_cls must be raylazy.actor.RankLoader or a subclass of it, got {actor_cls!r}")
         name = f"raylazy-{uuid.uuid4().hex[:8]}"
+        size = len(bundles) // groups
+        names = [name] if groups == 1 else [f"{name}-stage{g}" for g in range(groups)]
+        pgs = []
         try:
-            pg = placement_group(bundles, strategy=strategy, name=name)
-        except BaseException:  # a KeyboardInterrupt can land once the group exists but before it is returned
-            try:
-                remove_placement_group(ray.util.get_placement_group(name))
-            except Exception:  # noqa: BLE001  (it was not created)
-                pass
+            for g, pg_name in enumerate(names):
+                pgs.append(placement_group(bundles[g * size : (g + 1) * size], strategy=strategy, name=pg_name))
+        except BaseException:  # a KeyboardInterrupt can land once a group exists but before it is returned
+            for pg_name in names[len(pgs):]:
+                try:
+                    pgs.append(ray.util.get_placement_group(pg_name))
+                except Exception:  # noqa: BLE001  (it was not created)
+                    pass
+            for pg in pgs:
+                remove_placement_group(pg)
             raise
         # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
         remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
@@ -61,17 +76,18 @@ class RankGroup:
                 max_concurrency=4,  # progress() and shards() answer while load() runs
                 max_restarts=max_retries,
                 max_task_retries=max_retries,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                     placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pgs[r // size],
+                                                                     placement_group_bundle_index=r % size),
             ).remote(r, device)
             for r, bundle in enumerate(bundles)
         )
         try:
             actors = list(create)
-        except BaseException:  # e.g. a KeyboardInterrupt: removing the group also kills the actors already created
-            remove_placement_group(pg)
+        except BaseException:  # e.g. a KeyboardInterrupt: removing the groups also kills the actors already created
+            for pg in pgs:
+                remove_placement_group(pg)
             raise
-        return cls(name, actors, pg)
+        return cls(name, actors, pgs)
 
     @property
     def size(self) -> int:
@@ -86,8 +102,9 @@ class RankGroup:
         """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""
         import ray
 
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
-        if not ready:
+        ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=len(self.placement_groups),
+                            timeout=placement_timeout_s)
+        if len(ready) < len(self.placement_groups):
             bundle = self.placement_group.bundle_specs[0] if self.placement_group.bundle_specs else {}
             raise PlacementError(
                 f"could not place {self.size} rank(s) ({describe_resources(bundle)} each) within "
@@ -150,12 +167,12 @@ class RankGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001  (already dead)
                 pass
-        if self.placement_group is not None:
+        for pg in self.placement_groups:
             try:
-                remove_placement_group(self.placement_group)
+                remove_placement_group(pg)
             except Exception:  # noqa: BLE001  (already removed)
                 pass
-        self.actors, self.placement_group, self.ranks = [], None, []
+        self.actors, self.placement_groups, self.ranks = [], [], []
 
 
 def _cause(e: Exception) -> BaseException:

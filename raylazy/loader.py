@@ -22,8 +22,8 @@ from .group import RankGroup
 from .io.backends import NODE_BACKENDS, backend_for, check_backend
 from .io.common import ReadStats
 from .options import LoadOptions, load_options
-from .mesh import Mesh
-from .placement import check_placeable, ensure_ray, rank_bundles
+from .mesh import Coord, Mesh
+from .placement import check_placeable, ensure_ray, rank_bundles, stage_strategy
 from .plans import Plan, format_bytes
 from .planner import make_plan
 from .rules import RulesLike
@@ -50,6 +50,11 @@ class LoadedModel:
     @property
     def tp(self) -> int:
         return self.plan.tp
+
+    @property
+    def mesh(self) -> list[Coord]:
+        """Each global rank's place in the mesh (replica, stage, tp rank), in the order of `refs()` and `ranks`."""
+        return [self.plan.mesh.coord(r) for r in range(self.plan.mesh.size)]
 
     @property
     def actors(self) -> list:
@@ -97,7 +102,8 @@ class LoadedModel:
         read = sum(s.bytes_read for s in self.stats)
         reading = max((s.seconds for s in self.stats), default=0.0)
         return (
-            f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp} "
+            f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp}"
+            f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''} "
             f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} "
@@ -120,6 +126,9 @@ def load(
     model_dir: str | os.PathLike,
     tp: int | None = None,
     *,
+    pp: int | None = None,
+    expert_parallel: bool = False,
+    pp_layers: list[int] | None = None,
     mesh: Mesh | None = None,
     rules: RulesLike | None = None,
     device: str = "auto",
@@ -128,7 +137,10 @@ def load(
     **options: Any,
 ) -> LoadedModel:
     """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`
-    (default 1; or a `mesh`): each rank's actor reads only its byte ranges onto its device.
+    (default 1) and `pp` pipeline stages (default 1; or a `mesh`): each rank's actor reads only its byte ranges
+    onto its device. Ranks are stage-major (`LoadedModel.mesh`); a stage holds its layers only (vLLM's split, or
+    `pp_layers` per stage), and its tp ranks are packed on one node when a node can hold them. expert_parallel:
+    routed MoE experts go whole to the tp ranks of their stage.
 
     rules: sharding rules before the preset (see `raylazy.rules`). device: "auto" (the GPU Ray gives the
     rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
@@ -140,13 +152,16 @@ def load(
     autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
     Uses the Ray this process has initialised, else the cluster RAY_ADDRESS names, else starts a local one.
     """
-    opts = load_options(tp=tp, mesh=mesh, device=device, backend=backend, **options)
-    place = opts.placement
+    opts = load_options(tp=tp, pp=pp, expert_parallel=expert_parallel, pp_layers=pp_layers, mesh=mesh,
+                        device=device, backend=backend, **options)
+    place, mesh = opts.placement, opts.plan.mesh
     own_ray = ensure_ray()
     t0 = time.perf_counter()
-    bundles = rank_bundles(opts.plan.mesh.size, place, own_ray)
-    check_placeable(bundles, place.placement_strategy, place.autoscale)
-    group = RankGroup.create(bundles, place.device, place.placement_strategy, place.max_retries, actor_cls)
+    bundles = rank_bundles(mesh.size, place, own_ray)
+    groups = mesh.size // mesh.tp if mesh.pp > 1 else 1  # with pipeline stages, one placement group per stage
+    strategy = stage_strategy(bundles, place, groups)
+    check_placeable(bundles, strategy, place.autoscale, groups)
+    group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
     try:
         plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
         check_backend(opts.reader.backend, plan.ranks)

@@ -77,14 +77,30 @@ def node_capacity(node: Mapping[str, float], bundle: Mapping[str, float]) -> int
     return min(round(node.get(k, 0) * _RESOURCE_UNIT) // v for k, v in need.items())
 
 
-def can_ever_place(bundles: Sequence[Mapping[str, float]], nodes: Sequence[Mapping[str, float]], strategy: str) -> bool:
-    """Whether equal `bundles` fit on nodes with these total resources under `strategy`, once all is free."""
+def can_ever_place(bundles: Sequence[Mapping[str, float]], nodes: Sequence[Mapping[str, float]], strategy: str,
+                   groups: int = 1) -> bool:
+    """Whether equal `bundles`, as `groups` placement groups of consecutive bundles each under `strategy`, fit on
+    nodes with these total resources once all is free."""
     caps = [node_capacity(n, bundles[0]) for n in nodes] if bundles else []
-    if strategy == "STRICT_PACK":
-        return max(caps, default=0) >= len(bundles)
-    if strategy == "STRICT_SPREAD":
-        return sum(c >= 1 for c in caps) >= len(bundles)
+    size = len(bundles) // groups
+    if strategy == "STRICT_PACK":  # each group on one node
+        return sum(c // size for c in caps) >= groups if size else True
+    if strategy == "STRICT_SPREAD":  # each group on `size` distinct nodes
+        return sum(c >= 1 for c in caps) >= size and sum(min(c, groups) for c in caps) >= len(bundles)
     return sum(caps) >= len(bundles)
+
+
+def stage_strategy(bundles: list[dict], opts: PlacementOptions, stages: int) -> str:
+    """The strategy of each pipeline stage's placement group: `placement_strategy` when given (or with one
+    stage); by default STRICT_PACK when the nodes can hold every stage on one node each (a stage's tp ranks
+    together, as vLLM's Ray executor packs a tp group; the stages land on nodes of their own when a stage
+    fills a node), else PACK."""
+    import ray
+
+    if stages == 1 or "placement_strategy" in opts.model_fields_set:
+        return opts.placement_strategy
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    return "STRICT_PACK" if can_ever_place(bundles, nodes, "STRICT_PACK", stages) else opts.placement_strategy
 
 
 def autoscaler_can_add_nodes() -> bool:
@@ -107,8 +123,9 @@ def autoscaler_can_add_nodes() -> bool:
     return any(kind != f"node_{node}" for node, kind in mapping.items())
 
 
-def check_placeable(bundles: list[dict], strategy: str, autoscale: bool | None) -> None:
-    """Raise PlacementError at once when the cluster can never place `bundles` and no autoscaler may help.
+def check_placeable(bundles: list[dict], strategy: str, autoscale: bool | None, groups: int = 1) -> None:
+    """Raise PlacementError at once when the cluster can never place `bundles` (as `groups` placement groups)
+    and no autoscaler may help.
 
     autoscale: True always lets the caller wait (an autoscaler will add nodes), False never
     does, None asks `autoscaler_can_add_nodes()`.
@@ -116,13 +133,14 @@ def check_placeable(bundles: list[dict], strategy: str, autoscale: bool | None) 
     import ray
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if can_ever_place(bundles, nodes, strategy):
+    if can_ever_place(bundles, nodes, strategy, groups):
         return
     if autoscale if autoscale is not None else autoscaler_can_add_nodes():
         return
     per_node = "; ".join(describe_resources(n) for n in nodes) or "no nodes"
+    stages = f" in {groups} groups (one per pipeline stage)" if groups > 1 else ""
     raise PlacementError(
-        f"{len(bundles)} rank(s) of {describe_resources(bundles[0])} each ({strategy}) can never be placed: the cluster's "
+        f"{len(bundles)} rank(s) of {describe_resources(bundles[0])} each ({strategy}{stages}) can never be placed: the cluster's "
         f"{len(nodes)} node(s) have {per_node}, and no autoscaler can add nodes. Lower tp, pass use_gpu=False or a "
         "smaller cpus_per_rank, change placement_strategy, or add nodes (autoscale=True waits up to "
         "placement_timeout_s for nodes to join)"

@@ -70,7 +70,7 @@ def check_rank(plan_rank, shards: dict, model_dir: str) -> None:
 
 def check_ranks(plan, per_rank: list[dict], model_dir: str) -> None:
     """check_rank for every rank of `plan`, given each rank's {name: tensor}."""
-    assert len(per_rank) == plan.tp
+    assert len(per_rank) == len(plan.ranks)
     for rp, shards in zip(plan.ranks, per_rank):
         check_rank(rp, shards, model_dir)
 
