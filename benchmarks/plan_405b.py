@@ -101,8 +101,13 @@ def _partition(sizes: list[int], parts: int) -> list[int]:
 
 def write_checkpoint(out_dir: str, layers: int = CONFIG["num_hidden_layers"], num_files: int = NUM_FILES) -> dict:
     """Write the sparse checkpoint to `out_dir`; returns sizes for cross-checking the benchmark."""
+    return write_sparse_checkpoint(out_dir, tensor_specs(layers), {**CONFIG, "num_hidden_layers": layers}, num_files)
+
+
+def write_sparse_checkpoint(out_dir: str, specs: list[tuple[str, tuple[int, ...]]], config: dict, num_files: int) -> dict:
+    """Write bf16 tensors `specs` over `num_files` sparse shards (real headers, data a hole), the index and
+    `config` as config.json to `out_dir`; returns sizes for cross-checking a benchmark."""
     os.makedirs(out_dir, exist_ok=True)
-    specs = tensor_specs(layers)
     sizes = [_nbytes(s) for _, s in specs]
     starts = _partition(sizes, num_files) + [len(specs)]
     weight_map, header_bytes, data_bytes = {}, 0, 0
@@ -125,7 +130,7 @@ def write_checkpoint(out_dir: str, layers: int = CONFIG["num_hidden_layers"], nu
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
         json.dump(index, fh, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump({**CONFIG, "num_hidden_layers": layers}, fh, indent=2)
+        json.dump(config, fh, indent=2)
     side = sum(os.path.getsize(os.path.join(out_dir, n)) for n in ("model.safetensors.index.json", "config.json"))
     return {"files": num_files, "tensors": len(specs), "header_bytes": header_bytes, "data_bytes": data_bytes,
             "side_bytes": side}
