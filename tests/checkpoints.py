@@ -64,12 +64,32 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Mixtures of experts that the stage and expert-parallel tests plan (tests/test_stages.py).
+    "qwen2_moe": (  # a dense first layer (mlp_only_layers), a shared expert with its gate
+        "Qwen2MoeConfig",
+        dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=64,
+             moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+             num_hidden_layers=3, mlp_only_layers=[0], vocab_size=256, tie_word_embeddings=False),
+    ),
+    "qwen3_moe": (  # tied embeddings: no lm_head.weight on disk
+        "Qwen3MoeConfig",
+        dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+             moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=3, vocab_size=256,
+             tie_word_embeddings=True),
+    ),
+    "deepseek_v3": (  # multi-head latent attention, a dense first layer, one shared expert, 6 routed experts
+        "DeepseekV3Config",
+        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+             moe_intermediate_size=32, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+             topk_group=1, first_k_dense_replace=1, num_hidden_layers=3, vocab_size=256, q_lora_rank=32,
+             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, tie_word_embeddings=False),
+    ),
 }
 
 #: Small enough that every model above is written as 2-5 shards.
 DEFAULT_SHARD_SIZE = "80KB"
 
-_SEEDS = {"llama": 1, "qwen2": 2, "mixtral": 3}
+_SEEDS = {"llama": 1, "qwen2": 2, "mixtral": 3, "qwen2_moe": 4, "qwen3_moe": 5, "deepseek_v3": 6}
 
 
 def build_checkpoint(
@@ -79,8 +99,10 @@ def build_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     seed: int | None = None,
+    in_memory: bool = False,
 ) -> str:
-    """Write the `kind` model ("llama", "qwen2", "mixtral") to `out_dir` with save_pretrained.
+    """Write the `kind` model (a key of MODEL_SPECS: "llama", "qwen2", "mixtral"...) to `out_dir` with save_pretrained
+    (with `in_memory`: its state_dict, in one file, as transformers 5 holds it in memory).
 
     The same kind, dtype and seed always give the same tensors, whatever the shard size.
     """
@@ -99,6 +121,13 @@ def build_checkpoint(
             # Drawn in float32 then cast, so the values do not depend on the dtype's RNG path.
             param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype))
     out_dir = os.fspath(out_dir)
+    if in_memory:  # the state_dict as transformers 5 holds it (MoE experts fused), saved by safetensors
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, "model.safetensors"))
+        config.save_pretrained(out_dir)
+        return out_dir
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     return out_dir
 
