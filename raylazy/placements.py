@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import re
 from abc import ABC, abstractmethod
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Literal, Mapping, get_type_hints
+from dataclasses import MISSING, dataclass, fields
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, Mapping, NamedTuple, get_type_hints
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -40,9 +41,10 @@ class Slicing:
     pieces: tuple[Piece, ...]
 
 
-@dataclass(frozen=True)
-class ShardContext:
-    """What a placement may consult about one tensor on one rank.
+class ShardContext(NamedTuple):
+    """What a placement may consult about one tensor on one rank (immutable). A named tuple: the planner makes
+    one per tensor and rank that holds it (97k for DeepSeek-V3 at tp=8 x pp=2), and a frozen dataclass took
+    4-7x longer to build (measured 3.8 against 0.5 us on a loaded machine).
 
     `rank` and `tp` are the rank's tensor-parallel coordinate and the tp size (what
     most placements need); `coords` holds the rank's coordinate along every mesh
@@ -56,7 +58,7 @@ class ShardContext:
     num_kv_heads: int | None = None
     uneven: Uneven = "error"
     name: str = ""
-    coords: Mapping[str, int] = field(default_factory=dict)
+    coords: Mapping[str, int] = MappingProxyType({})
     expert_parallel: bool = False
     num_experts: int | None = None
 
