@@ -247,22 +247,35 @@ def run(model_dir: str, info: dict, tp: int = 8, runs: int = 5, profile: bool = 
             "header_rchar": header_rchar, "expected_rchar": expected_rchar, "plan": plan}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
-    ap.add_argument("--files", type=int, default=NUM_FILES)
+def parser(doc: str, layers: int, num_files: int) -> argparse.ArgumentParser:
+    """The options of a planning benchmark on a sparse checkpoint (this one and plan_deepseek.py)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--files", type=int, default=num_files)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dir", help="write the checkpoint here (default: a temporary directory, removed after)")
-    ap.add_argument("--profile", action="store_true", help="print a cProfile of one make_plan call")
-    args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="plan405b-") as tmp:
+    return ap
+
+
+def on_checkpoint(args, prefix: str, write, bench) -> int:
+    """Write the sparse checkpoint (`write(dir, layers, files)`), run `bench(dir, info)` on it; 0 when planning
+    took under 1 s of CPU and read only the headers, index and config.json."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         model_dir = args.dir or tmp
         t0 = time.perf_counter()
-        info = write_checkpoint(model_dir, args.layers, args.files)
+        info = write(model_dir, args.layers, args.files)
         print(f"wrote the sparse checkpoint to {model_dir} in {time.perf_counter() - t0:.2f} s")
-        res = run(model_dir, info, args.tp, args.runs, args.profile)
+        res = bench(model_dir, info)
     return 0 if res["plan_cpu_s"] < 1.0 and res["planning_rchar"] in (-1, res["expected_rchar"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, CONFIG["num_hidden_layers"], NUM_FILES)
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of one make_plan call")
+    args = ap.parse_args(argv)
+    return on_checkpoint(args, "plan405b-", write_checkpoint,
+                         lambda d, info: run(d, info, args.tp, args.runs, args.profile))
 
 
 if __name__ == "__main__":

@@ -16,17 +16,14 @@ the neighbours).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # plan_405b, run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plan_405b import _gb, _load, _timed, measure_read_bytes, write_sparse_checkpoint  # noqa: E402
+from plan_405b import _gb, _load, _timed, measure_read_bytes, on_checkpoint, parser, write_sparse_checkpoint  # noqa: E402
 
 from raylazy.planner import make_plan  # noqa: E402
 
@@ -130,21 +127,11 @@ def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
-    ap.add_argument("--files", type=int, default=NUM_FILES)
-    ap.add_argument("--tp", type=int, default=8)
+    ap = parser(__doc__, CONFIG["num_hidden_layers"], NUM_FILES)
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--dir", help="write the checkpoint here (default: a temporary directory, removed after)")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="plan-deepseek-") as tmp:
-        model_dir = args.dir or tmp
-        t0 = time.perf_counter()
-        info = write_checkpoint(model_dir, args.layers, args.files)
-        print(f"wrote the sparse checkpoint to {model_dir} in {time.perf_counter() - t0:.2f} s")
-        res = run(model_dir, info, args.tp, args.pp, args.runs)
-    return 0 if res["plan_cpu_s"] < 1.0 and res["planning_rchar"] in (-1, res["expected_rchar"]) else 1
+    return on_checkpoint(args, "plan-deepseek-", write_checkpoint,
+                         lambda d, info: run(d, info, args.tp, args.pp, args.runs))
 
 
 if __name__ == "__main__":

@@ -54,3 +54,19 @@ def test_benchmark_runs_and_reads_only_headers(bench, capsys):
     assert m, out
     if os.path.exists("/proc/self/io"):
         assert m.group(1) == m.group(2)
+
+
+def test_deepseek_benchmark_runs_and_reads_only_headers(capsys):
+    """benchmarks/plan_deepseek.py at 5 layers (3 dense, 2 MoE of 256 experts): tp=4 x pp=2, expert parallel."""
+    spec = importlib.util.spec_from_file_location("plan_deepseek", _PATH.replace("plan_405b.py", "plan_deepseek.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--layers", "5", "--files", "7", "--tp", "4", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=4 x pp=2, expert parallel" in out and "PASS" in out
+    for rank in range(8):  # stage 0: layers 0-2 (dense), stage 1: layers 3-4, each rank 64 of 256 experts
+        assert re.search(rf"^\s+{rank}\s+{rank // 4}\s+{rank % 4}\s", out, re.M), out
+    m = re.search(r"bytes read while planning \(rchar\)\s+([\d,]+)\s+expected ([\d,]+)", out)
+    assert m, out
+    if os.path.exists("/proc/self/io"):
+        assert m.group(1) == m.group(2)
