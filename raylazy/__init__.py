@@ -12,7 +12,7 @@ from .group import RankGroup
 from .header import FileHeader, TensorInfo, read_header
 from .loader import LoadedModel, load
 from .mesh import Mesh
-from .placements import Fused, Heads, Placement, Replicated, Skip, Split
+from .placements import Expert, Fused, Heads, Placement, Replicated, Skip, Split
 from .plans import Plan, RankPlan, Read, TensorShard, format_bytes
 from .planner import make_plan as plan
 from .rules import PRESETS, Rule, read_rules
@@ -20,7 +20,7 @@ from .rules import PRESETS, Rule, read_rules
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "FileHeader", "Fused", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
+    "Checkpoint", "Expert", "FileHeader", "Fused", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
     "Plan", "RankFailedError", "RankGroup", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split",
     "TensorInfo", "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rules",
 ]

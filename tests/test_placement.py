@@ -37,6 +37,24 @@ def test_can_ever_place(bundles, nodes, strategy, ok):
     assert can_ever_place(bundles, nodes, strategy) is ok
 
 
+TWO_BY_2, ONE_BY_4 = [{"CPU": 2, "GPU": 2}] * 2, [{"CPU": 4, "GPU": 4}]
+
+
+@pytest.mark.parametrize(
+    "ranks, groups, nodes, strategy, ok",  # one placement group per pipeline stage, ranks / groups each
+    [
+        (4, 2, TWO_BY_2, "STRICT_PACK", True),  # a stage per node
+        (4, 2, ONE_BY_4, "STRICT_PACK", True),  # both stages on the one node
+        (6, 3, TWO_BY_2, "STRICT_PACK", False),  # three stages, two nodes that hold one each
+        (4, 2, [{"CPU": 3, "GPU": 3}, {"CPU": 1, "GPU": 1}], "STRICT_PACK", False),  # 4 GPUs, but one stage fits
+        (4, 2, TWO_BY_2, "STRICT_SPREAD", True),
+        (4, 2, ONE_BY_4, "STRICT_SPREAD", False),
+    ],
+)
+def test_can_ever_place_stages(ranks, groups, nodes, strategy, ok):
+    assert can_ever_place([GPU] * ranks, nodes, strategy, groups) is ok
+
+
 @pytest.mark.parametrize("cpus, tp", [(2, 8), (2, 3), (2, 1), (16, 8), (1, 7)])
 def test_cpu_share_fits_every_rank(cpus, tp):
     share = cpu_share(cpus, tp)
