@@ -34,7 +34,7 @@ from raylazy.storage import open_source  # noqa: E402
 
 from checkpoints import shard_files  # noqa: E402
 from raytest import check_loaded, check_rank  # noqa: E402
-from s3server import S3Server  # noqa: E402
+from benchmarks.s3server import S3Server  # noqa: E402
 
 BUCKET = "raylazy-test"
 
@@ -64,8 +64,7 @@ def test_plan_reads_headers_with_range_requests(s3, s3_llama, llama_dir):
     assert plan.root == s3_llama and [f.uri for f in plan.files] == [f"{s3_llama}/{n}" for n in shard_files(llama_dir)]
     assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in local.ranks]
     assert [(f.size, f.digest) for f in plan.files] == [(f.size, f.digest) for f in local.files]
-    heads = {r["Key"]: r["ETag"] for r in s3.client().list_objects_v2(Bucket=BUCKET, Prefix="llama/")["Contents"]}
-    assert [f.version for f in plan.files] == [heads[f"llama/{n}"] for n in shard_files(llama_dir)]
+    assert [f.version for f in plan.files] == [s3.etags[f"{BUCKET}/llama/{n}"] for n in shard_files(llama_dir)]
     for name in shard_files(llama_dir):  # the 8-byte length, then the header: two ranged GETs, nothing more
         gets = counts.gets(f"/llama/{name}")
         assert [g.range for g in gets] == ["bytes=0-7", f"bytes=8-{header_bytes(os.path.join(llama_dir, name)) - 1}"]
@@ -101,10 +100,14 @@ def test_retries_throttling_and_resets_then_reports(s3, s3_llama, llama_dir):
     plan = make_plan(s3_llama, 2, storage_options=s3.storage_options)
     options = ReaderOptions(storage_options=s3.storage_options)
     s3.reset()
-    s3.faults = ["503", "reset", None, "503", None, None, "reset", "503", None, None, None, "reset"]
+    # opening the 3 files: HEAD, GET, GET each; then the data GETs, two of them cut half-way through the body
+    s3.faults = ["503", "reset", None, "503", None, None, "reset", "503", None, None, None, None, "cut", None, "cut"]
     shards, _ = read_rank(plan.ranks[0], "cpu", options=options)
     check_rank(plan.ranks[0], shards, llama_dir)
-    assert [r.status for r in s3.reset().requests].count(503) == 3 and not s3.faults
+    requests = s3.reset().requests
+    assert [r.status for r in requests].count(503) == 3 and not s3.faults
+    cut = [r for r in requests if r.fault == "cut"]
+    assert len(cut) == 2 and all(r.method == "GET" and r.range and r.body_bytes for r in cut)
     s3.faults = ["503"] * 1000
     t0 = time.monotonic()
     with pytest.raises(ReadError, match=r"s3://.*503"):
@@ -123,7 +126,7 @@ def test_object_replaced_after_planning_is_detected(s3, llama_dir, tmp_path):
     data = bytearray((copy / name).read_bytes())
     data[-1] ^= 0xFF  # same size, same header: only the ETag tells
     with open_source(f"{uri}/{name}", s3.storage_options) as opened:  # a reader that opened the old version
-        s3.client().put_object(Bucket=BUCKET, Key=f"replaced/{name}", Body=bytes(data))
+        s3.put(BUCKET, f"replaced/{name}", bytes(data))
         with pytest.raises(FileChangedError, match="replaced while being read"):
             opened.read(opened.size - 10, 10)
     with pytest.raises(FileChangedError, match=f"{name}: the object's ETag is .* plan again"):

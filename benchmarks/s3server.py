@@ -1,8 +1,9 @@
-"""A real S3-compatible server for tests: moto's server on 127.0.0.1, behind a proxy of ours that counts
-each request and the body bytes it returned, and can fail requests on demand (a 503 or a connection reset).
+"""A real S3-compatible server for the tests and the object-storage benchmark: moto's server on 127.0.0.1,
+behind a proxy of ours that counts each request and the body bytes it returned, and can fail requests on demand (a 503 or a connection reset).
 
-The clients under test talk to the proxy (`S3Server.endpoint`); setup (buckets, uploads) talks to moto
-directly (`S3Server.client`), so it is not counted.
+The clients under test talk to the proxy (`S3Server.endpoint`); setup talks to moto directly, so it is not
+counted: a bucket is one plain PUT, objects are put with obstore. (Not boto3: moto's import hooks botocore,
+and in some processes boto3's uploads then missed the server.)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Request:
     range: str | None
     status: int
     body_bytes: int
+    fault: str | None = None
 
 
 @dataclass
@@ -38,7 +40,8 @@ class Counts:
     requests: list[Request] = field(default_factory=list)
 
     def gets(self, key_part: str = "") -> list[Request]:
-        return [r for r in self.requests if r.method == "GET" and key_part in r.path and r.status in (200, 206)]
+        return [r for r in self.requests if r.method == "GET" and key_part in r.path and r.status in (200, 206)
+                and not r.fault]
 
     def get_bytes(self, key_part: str = "") -> int:
         return sum(r.body_bytes for r in self.gets(key_part))
@@ -56,13 +59,16 @@ class S3Server:
         host, port = self.moto.get_host_and_port()
         self.upstream = (host, port)
         self.counts = Counts()
-        #: Faults to inject, consumed one per request in order: "503", "reset" or None (forward it).
+        #: Faults to inject, consumed one per request in order: "503", "reset" (before answering), "cut" (reset
+        #: half-way through the body) or None (forward it).
         self.faults: list[str | None] = []
         self.lock = threading.Lock()
         self.proxy = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.proxy.daemon_threads = True
         threading.Thread(target=self.proxy.serve_forever, daemon=True, name="s3-proxy").start()
         self.endpoint = f"http://127.0.0.1:{self.proxy.server_address[1]}"
+        #: The ETag of each object uploaded, by "bucket/key".
+        self.etags: dict[str, str] = {}
         self.credentials = dict(access_key_id="testing", secret_access_key="testing", region="us-east-1")
 
     @property
@@ -71,22 +77,31 @@ class S3Server:
         return dict(endpoint=self.endpoint, allow_http="true", max_retries=3, retry_timeout=5, init_backoff=0.01,
                     max_backoff=0.05, **self.credentials)
 
-    def client(self):
-        import boto3
+    def _upstream(self, method: str, path: str) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(*self.upstream, timeout=120)
+        try:
+            conn.request(method, path)
+            resp = conn.getresponse()
+            resp.read()
+            return resp
+        finally:
+            conn.close()
 
-        return boto3.client("s3", endpoint_url=f"http://{self.upstream[0]}:{self.upstream[1]}",
-                            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    def put(self, bucket: str, key: str, data: bytes) -> str:
+        """Store `data` as s3://bucket/key (uncounted); returns its ETag."""
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(bucket, endpoint=f"http://{self.upstream[0]}:{self.upstream[1]}", allow_http=True,
+                        **self.credentials)
+        return obstore.put(store, key, data)["e_tag"]
 
     def upload_dir(self, local_dir: str, bucket: str, prefix: str) -> str:
-        """Put every file of `local_dir` under s3://bucket/prefix/; returns that URI."""
-        c = self.client()
-        try:
-            c.create_bucket(Bucket=bucket)
-        except c.exceptions.BucketAlreadyOwnedByYou:
-            pass
+        """Put every file of `local_dir` under s3://bucket/prefix/ (creating the bucket); returns that URI."""
+        assert self._upstream("PUT", f"/{bucket}").status in (200, 409)  # 409: it exists already
         for name in sorted(os.listdir(local_dir)):
             with open(os.path.join(local_dir, name), "rb") as f:
-                c.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=f.read())
+                self.etags[f"{bucket}/{prefix}/{name}"] = self.put(bucket, f"{prefix}/{name}", f.read())
         return f"s3://{bucket}/{prefix}"
 
     def reset(self) -> Counts:
@@ -133,7 +148,14 @@ def _handler(server: S3Server):
                     up.close()
             sent = 0 if self.command == "HEAD" else len(data)
             with server.lock:
-                server.counts.requests.append(Request(self.command, self.path, self.headers.get("Range"), status, sent))
+                server.counts.requests.append(Request(self.command, self.path, self.headers.get("Range"), status,
+                                                      sent // 2 if fault == "cut" else sent, fault))
+            try:
+                self._answer(fault, status, headers, data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up on this request (counted as sent)
+                self.close_connection = True
+
+        def _answer(self, fault, status, headers, data) -> None:
             self.send_response(status)
             for k, v in headers:
                 if k.lower() not in _HOP and k.lower() != "content-length":
@@ -141,7 +163,13 @@ def _handler(server: S3Server):
             length = next((v for k, v in headers if k.lower() == "content-length"), None)
             self.send_header("Content-Length", length if self.command == "HEAD" and length else str(len(data)))
             self.end_headers()
-            if self.command != "HEAD":
+            if fault == "cut":
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+            elif self.command != "HEAD":
                 self.wfile.write(data)
 
         do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
