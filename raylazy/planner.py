@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from math import prod
+from typing import Any, Mapping
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .dtypes import DTYPE_BITS
@@ -14,10 +15,7 @@ from .options import PlanOptions, validated
 from .placements import ShardContext, Slicing, Uneven
 from .plans import FileRef, Plan, RankPlan, Read, TensorShard
 from .rules import RulesLike, match, resolve_rules
-
-#: Default gap (bytes) between a tensor's row ranges below which they are read as one request.
-DEFAULT_MAX_GAP = 0
-
+from .storage import storage_for
 
 def make_plan(
     model: str | os.PathLike | Checkpoint,
@@ -27,15 +25,20 @@ def make_plan(
     rules: RulesLike | None = None,
     preset: str | None = "auto",
     uneven: Uneven = "error",
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Plan which bytes of which file every rank of `mesh` (or of `tp` ranks) reads. Reads headers only.
 
-    Give `tp` or `mesh` (neither: one rank); invalid options are a ConfigurationError.
+    Give `tp` or `mesh` (neither: one rank); invalid options are a ConfigurationError. `max_gap` None: the
+    storage's default (0 for local files, `raylazy.objectstore.DEFAULT_MAX_GAP` for object storage).
+    `storage_options` configure object storage (see `raylazy.objectstore`).
     """
     opts = validated(PlanOptions, tp=tp, mesh=mesh, preset=preset, uneven=uneven, max_gap=max_gap)
     mesh = opts.mesh
-    ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options)
+    if opts.max_gap is None:
+        opts = opts.model_copy(update={"max_gap": storage_for(ckpt.root, storage_options).default_max_gap})
     cfg = ckpt.config
     chosen = match(resolve_rules(cfg.model_type, rules, opts.preset), (t.name for _, t in ckpt.tensors()))
     coords = [mesh.coords(r) for r in range(mesh.size)]
@@ -62,7 +65,7 @@ def make_plan(
                 shards.append(whole)
             else:
                 shards.append(_shard(fi, t, placement.describe(), slicing, opts.max_gap, ckpt.files[fi].path))
-    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
+    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest, version=f.version) for f in ckpt.files)
     return Plan(
         root=ckpt.root,
         model_type=cfg.model_type,
