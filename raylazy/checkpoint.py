@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 from .errors import (
     CheckpointNotFoundError,
@@ -100,11 +100,11 @@ class Checkpoint:
         return sum(t.nbytes for _, t in self.tensors())
 
 
-def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
     """Discover the safetensors files of `model_dir` (a path or URI, or a model id in the local Hugging Face
-    cache), validate their headers and read config.json."""
+    cache), validate their headers and read config.json; object storage is reached with `storage_options`."""
     model = resolve_model(model_dir)
-    storage = storage_for(model)
+    storage = storage_for(model, storage_options)
     path = storage.absolute(model)
     if storage.is_file(path):
         root, name = storage.split(path)
@@ -114,7 +114,7 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
         names, weight_map = _discover(storage, root)
     else:
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    headers = tuple(read_header(storage.join(root, n)) for n in names)
+    headers = tuple(read_header(storage.join(root, n), storage_options) for n in names)
     _cross_check(storage, root, names, headers, weight_map)
     return Checkpoint(root=root, files=headers, config=_read_config(storage, root))
 

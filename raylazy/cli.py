@@ -48,13 +48,24 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="auto", help="sharding preset (default: from config.json model_type)")
     p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
                    help="what to do with a dim tp does not divide")
-    p.add_argument("--max-gap", type=int, default=0, help="read row gaps up to this many bytes as one request")
+    p.add_argument("--max-gap", type=int, default=None, help="read row gaps up to this many bytes as one request "
+                   "(default: 0 for local files, 1 MiB for object storage)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
+                   help="object storage setting over the environment's (endpoint=..., allow_http=true, region=...); "
+                   "repeatable")
     p.add_argument("--rules", metavar="FILE", help='sharding rules (JSON list of {"pattern": ..., "placement": '
                    '{"type": ...}}), tried before the preset; see the README\'s "Sharding rules"')
 
 
 def _mesh_args(args) -> dict:
     return {"pp": args.pp, "pp_layers": args.pp_layers, "expert_parallel": args.expert_parallel}
+
+
+def _storage_options(args) -> dict[str, str]:
+    bad = [o for o in args.storage_options if "=" not in o]
+    if bad:
+        raise ConfigurationError(f"--storage-option {bad[0]!r}: give KEY=VALUE")
+    return dict(o.split("=", 1) for o in args.storage_options)
 
 
 def _rules(args):
@@ -67,7 +78,7 @@ def _plan(args) -> int:
     from .planner import make_plan
 
     plan = make_plan(args.model_dir, args.tp, rules=_rules(args), **_mesh_args(args), preset=args.preset,
-                     uneven=args.uneven, max_gap=args.max_gap)
+                     uneven=args.uneven, max_gap=args.max_gap, storage_options=_storage_options(args))
     per_node = args.ranks_per_node or len(plan.ranks)
     if per_node < 1:
         raise ConfigurationError(f"--ranks-per-node must be at least 1, got {per_node}")
@@ -100,7 +111,7 @@ def _load(args) -> int:
             ray.init(address=args.address)
         loaded = load(model_dir, args.tp, **_mesh_args(args), rules=rules, backend=args.backend, device=args.device,
                       queue_size=args.queue_size, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
-                      progress=False if args.no_progress else None)
+                      storage_options=_storage_options(args), progress=False if args.no_progress else None)
         try:
             print(f"{'rank':>4} {'stage':>5} {'tp rank':>7} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} "
                   f"{'requests':>9} {'seconds':>8}")

@@ -212,6 +212,10 @@ class UnsupportedStorageError(CheckpointError):
     """A URI whose scheme no registered storage serves (see `raylazy.storage.register_storage`)."""
 
 
+class StorageAccessError(CheckpointError):
+    """The storage refused or failed a request while finding the checkpoint (credentials, endpoint, network)."""
+
+
 class BufferMismatchError(ConfigurationError):
     """A caller-supplied destination tensor does not match its shard (shape, dtype, device, layout)."""
 

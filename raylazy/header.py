@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -83,17 +83,20 @@ class FileHeader:
     metadata: Mapping[str, str] | None
     #: sha256 of the 8-byte prefix and the header: identifies the file's layout later.
     digest: str
+    #: The storage's version tag of the file read (an object's ETag; "" for local files).
+    version: str = ""
 
     @property
     def data_start(self) -> int:
         return 8 + self.header_len
 
 
-def read_header(path: str | os.PathLike) -> FileHeader:
-    """Read and validate the header of the safetensors file at `path` (a path or URI; no tensor data)."""
+def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FileHeader:
+    """Read and validate the header of the safetensors file at `path` (a path or URI, opened with
+    `storage_options`; no tensor data)."""
     path = os.fspath(path)
     try:
-        source = open_source(path)
+        source = open_source(path, storage_options)
     except NotAFileError:
         raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file") from None
     with source:
@@ -104,7 +107,7 @@ def read_header(path: str | os.PathLike) -> FileHeader:
             raise FileTooSmallError(path, f"file is {file_size} bytes, shorter than the 8-byte header length prefix")
         header_len = _check_length(path, prefix, file_size)
         blob = source.read(8, header_len)
-    return parse_header(prefix + blob, file_size, path)
+    return replace(parse_header(prefix + blob, file_size, path), version=source.version)
 
 
 def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHeader:

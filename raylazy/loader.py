@@ -163,7 +163,7 @@ def load(
     check_placeable(bundles, strategy, place.autoscale, groups)
     group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
     try:
-        plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
+        plan = make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan))
         check_backend(opts.reader.backend, plan.ranks)
         ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
         nodes = group.nodes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal, Optional, TypeVar
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -43,8 +43,9 @@ class PlanOptions(BaseModel):
     expert_parallel: bool = False
     preset: Optional[str] = "auto"
     uneven: Literal["error", "chunk", "pad"] = "error"
-    #: Row gaps of at most this many bytes are read as one request.
-    max_gap: int = Field(0, ge=0)
+    #: Row gaps of at most this many bytes are read as one request; None: the storage's default (0 for local
+    #: files, 1 MiB for object storage: `raylazy.objectstore.DEFAULT_MAX_GAP`).
+    max_gap: Optional[int] = Field(None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +107,9 @@ class ReaderOptions(BaseModel):
     staging_budget: int = Field(DEFAULT_STAGING_BUDGET, ge=4096)
     #: fastsafetensors: None tries GPUDirect Storage when alone on a node, else nogds.
     nogds: Optional[bool] = None
+    #: Object storage: credentials, endpoint, client and retry settings (`raylazy.objectstore`), over the
+    #: environment's. Also used to plan. Kept out of reprs (it may hold secrets).
+    storage_options: dict[str, Union[str, bool, int, float]] = Field(default_factory=dict, repr=False)
 
 
 class PlacementOptions(BaseModel):

@@ -6,7 +6,7 @@ import gc
 import os
 from contextlib import contextmanager
 from math import prod
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .dtypes import DTYPE_BITS
@@ -18,9 +18,7 @@ from .placements import ShardContext, Slicing, Uneven
 from .plans import FileRef, Plan, RankPlan, Read, TensorShard
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
 from .stages import partition, tensor_stages
-
-#: Default gap (bytes) between a tensor's row ranges below which they are read as one request.
-DEFAULT_MAX_GAP = 0
+from .storage import storage_for
 
 
 def make_plan(
@@ -34,18 +32,22 @@ def make_plan(
     expert_parallel: bool = False,
     preset: str | None = "auto",
     uneven: Uneven = "error",
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Plan which bytes of which file every rank of `mesh` (or of `tp` x `pp` ranks) reads. Reads headers only.
 
     Give `tp` and `pp` or `mesh` (neither: one rank); invalid options are a ConfigurationError. With pipeline
     stages, each stage's ranks get only its tensors (`raylazy.stages`: vLLM's layer split, or `pp_layers`
-    per stage); with `expert_parallel`, routed experts go whole to the tp ranks of their stage.
+    per stage); with `expert_parallel`, routed experts go whole to the tp ranks of their stage. `max_gap` None:
+    the storage's default (0 for local files, `raylazy.objectstore.DEFAULT_MAX_GAP` for object storage).
+    `storage_options` configure object storage (see `raylazy.objectstore`).
     """
     opts = validated(PlanOptions, tp=tp, pp=pp, mesh=mesh, pp_layers=pp_layers, expert_parallel=expert_parallel,
                      preset=preset, uneven=uneven, max_gap=max_gap)
     with _gc_paused():
-        return _plan(model if isinstance(model, Checkpoint) else open_checkpoint(model), rules, opts)
+        return _plan(model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options), rules, opts,
+                     storage_options)
 
 
 @contextmanager
@@ -62,8 +64,10 @@ def _gc_paused():
             gc.enable()
 
 
-def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
+def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_options: Mapping[str, Any] | None) -> Plan:
     mesh = opts.mesh
+    if opts.max_gap is None:
+        opts = opts.model_copy(update={"max_gap": storage_for(ckpt.root, storage_options).default_max_gap})
     cfg = ckpt.config
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
     chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
@@ -100,7 +104,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({label}, rule {rule.pattern!r}): {e}") from None
-    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
+    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest, version=f.version) for f in ckpt.files)
     return Plan(
         root=ckpt.root,
         model_type=cfg.model_type,

@@ -23,12 +23,13 @@ class _Frozen(BaseModel):
 
 
 class FileRef(_Frozen):
-    """A checkpoint file as planned: URI (a plain path for a local file), size and header digest
-    (checked again before reading)."""
+    """A checkpoint file as planned: URI (a plain path for a local file), size, header digest and the storage's
+    version tag (an object's ETag; "" for local files), all checked again before reading."""
 
     uri: str
     size: int
     digest: str
+    version: str = ""
 
 
 class Read(_Frozen):

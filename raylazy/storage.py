@@ -4,7 +4,10 @@ into the caller's memory.
 Every reader of checkpoint bytes (headers, index and config.json, the rank readers) goes
 through this interface, so a new kind of storage (an object store: `s3://...`) is one
 module that subclasses `Storage` and `Source` and calls `register_storage`. A plain path
-and a `file://` URI are local files (`LocalStorage`).
+and a `file://` URI are local files (`LocalStorage`); `s3://`, `gs://` and `az://` are object
+storage (`raylazy.objectstore`, imported when first used: the optional `s3` extra). A storage is
+built from its scheme and the caller's `storage_options` (credentials, endpoint, retries), one
+instance per distinct set.
 
 Contract of a `Source`: `readinto` fills the buffers completely or raises (`EOFError` when
 the data ends first, `OSError` for any I/O failure); hints (`random_access`, `will_need`)
@@ -18,9 +21,9 @@ import errno
 import os
 import stat
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from .errors import UnsupportedStorageError
+from .errors import ConfigurationError, UnsupportedStorageError
 
 #: Bytes per POSIX_FADV_WILLNEED call: the kernel reads at most max(read-ahead, max I/O size) per call.
 _HINT_BYTES = 128 << 10
@@ -37,6 +40,8 @@ class Source(ABC):
 
     uri: str
     size: int
+    #: The opened version's tag (an object's ETag; "" where the storage has none, as for local files).
+    version: str = ""
 
     @abstractmethod
     def read(self, offset: int, n: int) -> bytes:
@@ -70,6 +75,10 @@ class Source(ABC):
 
 class Storage(ABC):
     """One URI scheme: opens sources and answers the directory questions checkpoint discovery asks."""
+
+    #: The planner's `max_gap` when the caller gives none: row gaps up to this many bytes are read through
+    #: (0 locally: a positional read costs little; object storage pays per request).
+    default_max_gap: int = 0
 
     @abstractmethod
     def open(self, uri: str) -> Source:
@@ -173,7 +182,12 @@ class LocalSource(Source):
 
 
 class LocalStorage(Storage):
-    """Local files: plain paths or `file://` URIs."""
+    """Local files: plain paths or `file://` URIs (no storage options)."""
+
+    def __init__(self, **storage_options: Any):
+        if storage_options:
+            raise ConfigurationError(f"local files take no storage_options, got {sorted(storage_options)}: "
+                                     "pass storage_options only for object storage (s3://, gs://, az://)")
 
     def open(self, uri: str) -> LocalSource:
         path = _local_path(uri)
@@ -218,14 +232,29 @@ def local_path(uri: str) -> str | None:
     return _local_path(uri) if scheme_of(uri) in ("", "file") else None
 
 
-_FACTORIES: dict[str, Callable[[], Storage]] = {"": LocalStorage, "file": LocalStorage}
-_STORAGES: dict[str, Storage] = {}
+def _object_storage(scheme: str) -> Callable[..., Storage]:
+    def factory(**storage_options: Any) -> Storage:
+        try:
+            from .objectstore import ObjectStorage
+        except ImportError as e:
+            raise UnsupportedStorageError(f"{scheme}:// needs the obstore package ({e}): pip install 'raylazy[s3]'") from None
+        return ObjectStorage(scheme, storage_options)
+    return factory
 
 
-def register_storage(scheme: str, factory: Callable[[], Storage]) -> None:
-    """Serve URIs `scheme://...` with the Storage `factory()` returns (called once, when first needed)."""
+#: Object-storage schemes served by `raylazy.objectstore` (obstore: S3, Google Cloud Storage, Azure Blob).
+OBJECT_SCHEMES = ("s3", "gs", "az")
+_FACTORIES: dict[str, Callable[..., Storage]] = {"": LocalStorage, "file": LocalStorage,
+                                                 **{s: _object_storage(s) for s in OBJECT_SCHEMES}}
+_STORAGES: dict[tuple[str, str], Storage] = {}
+
+
+def register_storage(scheme: str, factory: Callable[..., Storage]) -> None:
+    """Serve URIs `scheme://...` with the Storage `factory(**storage_options)` returns (called once per distinct
+    set of storage options, when first needed; with none, `factory()`)."""
     _FACTORIES[scheme] = factory
-    _STORAGES.pop(scheme, None)
+    for key in [k for k in _STORAGES if k[0] == scheme]:
+        del _STORAGES[key]
 
 
 def scheme_of(uri: str) -> str:
@@ -234,10 +263,12 @@ def scheme_of(uri: str) -> str:
     return head if sep and head.isidentifier() else ""
 
 
-def storage_for(uri: str) -> Storage:
-    """The Storage serving `uri` (a plain path or a `file://` URI: the local one)."""
+def storage_for(uri: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The Storage serving `uri` (a plain path or a `file://` URI: the local one), built with `storage_options`."""
     scheme = scheme_of(uri)
-    storage = _STORAGES.get(scheme)
+    options = dict(storage_options or {})
+    key = (scheme, repr(sorted(options.items())))
+    storage = _STORAGES.get(key)
     if storage is None:
         factory = _FACTORIES.get(scheme)
         if factory is None:
@@ -246,10 +277,10 @@ def storage_for(uri: str) -> Storage:
                 f"{', '.join(repr(s) for s in sorted(_FACTORIES) if s)}); register one with "
                 "raylazy.storage.register_storage"
             )
-        storage = _STORAGES[scheme] = factory()
+        storage = _STORAGES[key] = factory(**options)
     return storage
 
 
-def open_source(uri: str) -> Source:
+def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> Source:
     """Open `uri` with the storage serving it."""
-    return storage_for(uri).open(uri)
+    return storage_for(uri, storage_options).open(uri)

@@ -6,7 +6,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from math import prod
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ..dtypes import itemsize, torch_dtype
 from ..errors import BufferMismatchError, FileChangedError, ReadError
@@ -61,21 +61,21 @@ class Counter:
             self._on_progress(n)
 
 
-def open_planned(plan: RankPlan, f: int) -> Source:
+def open_planned(plan: RankPlan, f: int, storage_options: Mapping[str, Any] | None = None) -> Source:
     """`open_verified` for file `f` of a rank plan; a failure also names the rank's tensors that file holds."""
     try:
-        return open_verified(plan.files[f])
+        return open_verified(plan.files[f], storage_options)
     except (FileChangedError, ReadError) as e:
         names = [t.name for t in plan.tensors if any(r.file == f for r in t.reads)]
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})" if names else str(e)) from None
 
 
-def open_verified(ref: FileRef) -> Source:
-    """Open a planned file after checking its size and header digest match the plan; read-ahead is off
-    (the reader hints what it needs). The caller closes the returned source."""
+def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None) -> Source:
+    """Open a planned file after checking its size, version tag (an object's ETag) and header digest match the
+    plan; read-ahead is off (the reader hints what it needs). The caller closes the returned source."""
     try:
-        source = open_source(ref.uri)
+        source = open_source(ref.uri, storage_options)
     except NotAFileError:
         raise FileChangedError(f"{ref.uri}: is no longer a regular file (a directory, FIFO or device); it was "
                                "replaced since planning: plan again") from None
@@ -87,6 +87,9 @@ def open_verified(ref: FileRef) -> Source:
                 f"{ref.uri}: file is {source.size} bytes but was {ref.size} when planned; it was replaced or "
                 "truncated since planning: plan again"
             )
+        if ref.version and source.version != ref.version:
+            raise FileChangedError(f"{ref.uri}: the object's ETag is {source.version} but was {ref.version} when "
+                                   "planned; it was replaced since planning: plan again")
         source.random_access()
         prefix = source.read(0, 8)
         n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1

@@ -60,7 +60,7 @@ def read_rank(
     sources: dict[int, Source] = {}
     try:
         for i in used:
-            sources[i] = open_planned(plan, i)  # read-ahead off: no bytes past the planned ranges
+            sources[i] = open_planned(plan, i, options.storage_options)  # read-ahead off: no bytes past the planned ranges
         schedule = schedule or rank_schedule(plan, options.chunk_bytes)
         jobs = schedule.windows
         reader = _Reader(plan, sources, counter)

@@ -1,0 +1,201 @@
+"""Object storage (`s3://`) against a real S3-compatible server: moto's server on 127.0.0.1, behind a proxy
+that counts each request and its bytes and fails requests on demand (tests/s3server.py). Shards are compared
+bit for bit with safetensors' own tensors, narrowed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto.server")
+
+import raylazy  # noqa: E402
+from raylazy.checkpoint import open_checkpoint  # noqa: E402
+from raylazy.cli import main as cli_main  # noqa: E402
+from raylazy.errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    ConfigurationError,
+    FileChangedError,
+    MissingShardError,
+    ReadError,
+    StorageAccessError,
+)
+from raylazy.io.backends import backend_for  # noqa: E402
+from raylazy.io.ranged import read_rank  # noqa: E402
+from raylazy.objectstore import DEFAULT_MAX_GAP  # noqa: E402
+from raylazy.options import ReaderOptions  # noqa: E402
+from raylazy.planner import make_plan  # noqa: E402
+from raylazy.schedule import rank_schedule  # noqa: E402
+from raylazy.storage import open_source  # noqa: E402
+
+from checkpoints import shard_files  # noqa: E402
+from raytest import check_loaded, check_rank  # noqa: E402
+from benchmarks.s3server import S3Server  # noqa: E402
+
+BUCKET = "raylazy-test"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def s3_llama(s3, llama_dir) -> str:
+    return s3.upload_dir(llama_dir, BUCKET, "llama")
+
+
+def header_bytes(path: str) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_plan_reads_headers_with_range_requests(s3, s3_llama, llama_dir):
+    s3.reset()
+    plan = make_plan(s3_llama, 2, storage_options=s3.storage_options, max_gap=0)
+    counts = s3.reset()
+    local = make_plan(llama_dir, 2)
+    assert plan.root == s3_llama and [f.uri for f in plan.files] == [f"{s3_llama}/{n}" for n in shard_files(llama_dir)]
+    assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in local.ranks]
+    assert [(f.size, f.digest) for f in plan.files] == [(f.size, f.digest) for f in local.files]
+    assert [f.version for f in plan.files] == [s3.etags[f"{BUCKET}/llama/{n}"] for n in shard_files(llama_dir)]
+    for name in shard_files(llama_dir):  # the 8-byte length, then the header: two ranged GETs, nothing more
+        gets = counts.gets(f"/llama/{name}")
+        assert [g.range for g in gets] == ["bytes=0-7", f"bytes=8-{header_bytes(os.path.join(llama_dir, name)) - 1}"]
+    assert counts.gets("/llama/model.safetensors.index.json") and counts.gets("/llama/config.json")
+    assert plan.max_gap == 0 and make_plan(s3_llama, 2, storage_options=s3.storage_options).max_gap == DEFAULT_MAX_GAP
+    # the command line takes the same options
+    assert cli_main(["plan", s3_llama, "--tp", "2"] + [f"--storage-option={k}={v}" for k, v in
+                                                       s3.storage_options.items()]) == 0
+
+
+@pytest.mark.parametrize("tp, max_gap, part_bytes", [(2, 0, None), (4, None, None), (4, None, 4096)])
+def test_ranks_fetch_only_their_ranges(s3, s3_llama, llama_dir, tp, max_gap, part_bytes):
+    options = dict(s3.storage_options, **({"part_bytes": part_bytes} if part_bytes else {}))
+    plan = make_plan(s3_llama, tp, storage_options=options, max_gap=max_gap)
+    sizes = {f"{s3_llama}/{n}": header_bytes(os.path.join(llama_dir, n)) for n in shard_files(llama_dir)}
+    for rp in plan.ranks:
+        s3.reset()
+        shards, stats = read_rank(rp, "cpu", options=ReaderOptions(storage_options=options, chunk_bytes=8192))
+        counts = s3.reset()
+        check_rank(rp, shards, llama_dir)
+        used = {rp.files[r.file].uri for t in rp.tensors for r in t.reads}
+        headers = sum(sizes[u] for u in used)  # the header check: 8 + N bytes of each file used
+        fetched = counts.get_bytes("/llama/")
+        assert fetched == rp.stats.bytes_read + headers, (rp.rank, fetched, rp.stats.bytes_read, headers)
+        if max_gap == 0:  # exactly the needed bytes
+            assert rp.stats.bytes_read == stats.bytes_needed and fetched <= 1.05 * (stats.bytes_needed + headers)
+        ranges = len(counts.gets("/llama/")) - 2 * len(used)  # GETs besides the header check's two per file
+        windows = len(rank_schedule(rp, 8192).windows)  # a range that spans windows is one GET per window
+        assert stats.requests <= ranges <= (stats.requests + windows) * (2 if part_bytes else 1), (ranges, stats.requests)
+
+
+def test_retries_throttling_and_resets_then_reports(s3, s3_llama, llama_dir):
+    plan = make_plan(s3_llama, 2, storage_options=s3.storage_options)
+    options = ReaderOptions(storage_options=s3.storage_options)
+    s3.reset()
+    # opening the 3 files: HEAD, GET, GET each; then the data GETs, two of them cut half-way through the body
+    s3.faults = ["503", "reset", None, "503", None, None, "reset", "503", None, None, None, None, "cut", None, "cut"]
+    shards, _ = read_rank(plan.ranks[0], "cpu", options=options)
+    check_rank(plan.ranks[0], shards, llama_dir)
+    requests = s3.reset().requests
+    assert [r.status for r in requests].count(503) == 3 and not s3.faults
+    cut = [r for r in requests if r.fault == "cut"]
+    assert len(cut) == 2 and all(r.method == "GET" and r.range and r.body_bytes for r in cut)
+    s3.faults = ["503"] * 1000
+    t0 = time.monotonic()
+    with pytest.raises(ReadError, match=r"s3://.*503"):
+        read_rank(plan.ranks[1], "cpu", options=options)
+    assert time.monotonic() - t0 < 10
+    assert 1000 - len(s3.faults) >= 4  # tried, then retried max_retries times
+    s3.faults = []
+
+
+def test_object_replaced_after_planning_is_detected(s3, llama_dir, tmp_path):
+    copy = shutil.copytree(llama_dir, tmp_path / "m")
+    uri = s3.upload_dir(str(copy), BUCKET, "replaced")
+    plan = make_plan(uri, 2, storage_options=s3.storage_options, max_gap=0)
+    rp = plan.ranks[0]
+    name = shard_files(llama_dir)[-1]
+    data = bytearray((copy / name).read_bytes())
+    data[-1] ^= 0xFF  # same size, same header: only the ETag tells
+    with open_source(f"{uri}/{name}", s3.storage_options) as opened:  # a reader that opened the old version
+        s3.put(BUCKET, f"replaced/{name}", bytes(data))
+        with pytest.raises(FileChangedError, match="replaced while being read"):
+            opened.read(opened.size - 10, 10)
+    with pytest.raises(FileChangedError, match=f"{name}: the object's ETag is .* plan again"):
+        read_rank(rp, "cpu", options=ReaderOptions(storage_options=s3.storage_options))
+
+
+def test_missing_bucket_prefix_or_shard_is_a_clear_error_at_once(s3, s3_llama, llama_dir, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointNotFoundError, match="s3://no-such-bucket/llama: no such bucket 'no-such-bucket'"):
+        open_checkpoint("s3://no-such-bucket/llama", s3.storage_options)
+    for uri in (f"{s3_llama}-nope", f"s3://{BUCKET}/llama/nope.safetensors"):
+        with pytest.raises(CheckpointNotFoundError, match=f"{uri}: no such file or directory"):
+            open_checkpoint(uri, s3.storage_options)
+    partial = shutil.copytree(llama_dir, tmp_path / "partial")
+    os.remove(partial / shard_files(llama_dir)[0])
+    with pytest.raises(MissingShardError, match=shard_files(llama_dir)[0]):
+        open_checkpoint(s3.upload_dir(str(partial), BUCKET, "partial"), s3.storage_options)
+    assert time.monotonic() - t0 < 5
+
+
+def test_unreachable_endpoint_and_bad_options_are_named(s3, s3_llama):
+    with socket_closed_port() as port:
+        options = dict(s3.storage_options, endpoint=f"http://127.0.0.1:{port}", max_retries=1)
+        t0 = time.monotonic()
+        with pytest.raises(StorageAccessError, match=r"s3://.*cannot look up.*AWS_ENDPOINT_URL"):
+            open_checkpoint(s3_llama, options)
+        assert time.monotonic() - t0 < 10
+    with pytest.raises(ConfigurationError, match="no_such_key"):
+        open_checkpoint(s3_llama, dict(s3.storage_options, no_such_key="1"))
+    with pytest.raises(ConfigurationError, match="local files take no storage_options"):
+        open_checkpoint("/tmp", {"region": "x"})
+    assert "secret" not in repr(ReaderOptions(storage_options={"secret_access_key": "secret"}))  # kept out of logs
+
+
+def test_environment_configures_the_client(s3, s3_llama, llama_dir, monkeypatch):
+    for key, value in dict(AWS_ENDPOINT_URL=s3.endpoint, AWS_ALLOW_HTTP="true", AWS_ACCESS_KEY_ID="testing",
+                           AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(raylazy.storage, "_STORAGES", {})  # clients are built from the environment when first used
+    plan = make_plan(s3_llama, 2)
+    assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in make_plan(llama_dir, 2, max_gap=DEFAULT_MAX_GAP).ranks]
+
+
+def test_node_backends_read_object_storage_ranged(s3_llama):
+    from raylazy.plans import FileRef
+
+    ref = (FileRef(uri=f"{s3_llama}/model.safetensors", size=1, digest=""),)
+    assert {backend_for(b, 4, d, ref) for b in ("auto", "cooperative", "exchange") for d in ("cpu", "cuda")} == {"ranged"}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_load_from_s3(ray_local, s3, s3_llama, llama_dir):
+    with raylazy.load(s3_llama, 2, storage_options=s3.storage_options, max_gap=0, device="cpu") as loaded:
+        check_loaded(loaded, llama_dir)
+        assert {s.backend for s in loaded.stats} == {"ranged"}  # two ranks on one node: ranged, not cooperative
+
+
+class socket_closed_port:
+    """A port on 127.0.0.1 nothing listens on (bound, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port
+
+    def __exit__(self, *exc) -> None:
+        pass
