@@ -152,8 +152,9 @@ def load(
     same stage and tp rank) with no storage access; model_dir, tp, mesh and rules then come from its plan. A
     rank whose copy fails reads from storage instead; when that fails too, a PeerFailedError.
 
-    Options (validated before anything starts, see `raylazy.options`; a ConfigurationError otherwise): preset, uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes,
-    stripe_timeout_s, staging_budget, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
+    Options (validated before anything starts, see `raylazy.options`; a ConfigurationError otherwise): preset,
+    uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes, stripe_timeout_s,
+    staging_budget (also the batch of a peer copy), nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
     autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, peer_transport, progress.
     Uses the Ray this process has initialised, else the cluster RAY_ADDRESS names, else starts a local one.
     """
@@ -170,8 +171,11 @@ def load(
                 else make_plan(model_dir, rules=rules, **dict(opts.plan)))
         check_backend(opts.reader.backend, plan.ranks)
         group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        replica0 = plan.model_copy(update={"ranks": plan.ranks[: plan.mesh.size // plan.mesh.dp]})
-        stats = _receive(group, plan, opts, source, [] if source is not None else _read(group, replica0, opts))
+        read = []
+        if source is None:  # replica 0 reads from storage; its node schedules (if any) are the load's
+            scheduled, read = _read(group, plan.model_copy(update={"ranks": plan.ranks[: plan.mesh.size // plan.mesh.dp]}), opts)
+            plan = plan.model_copy(update={"nodes": scheduled.nodes})
+        stats = _receive(group, plan, opts, source, read)
     except BaseException:
         group.release()
         raise
@@ -205,8 +209,9 @@ def _replicated(model_dir, tp, mesh, rules, replicas: int, source: LoadedModel |
     return None, Mesh(**{**base.shape, "dp": replicas})
 
 
-def _read(group: RankGroup, plan: Plan, opts: LoadOptions) -> list[ReadStats]:
-    """The ranks of `plan` (the group's first ranks) read their shards from storage."""
+def _read(group: RankGroup, plan: Plan, opts: LoadOptions) -> tuple[Plan, list[ReadStats]]:
+    """The ranks of `plan` (the group's first ranks) read their shards from storage; returns the plan as read
+    (with its node schedules, for node backends) and their ReadStats."""
     ranks = group.ranks[: len(plan.ranks)]
     nodes = group_by_node([r.node_id for r in ranks])
     readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
@@ -214,7 +219,7 @@ def _read(group: RankGroup, plan: Plan, opts: LoadOptions) -> list[ReadStats]:
         plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
     tasks = _node_tasks(group, plan, readers, opts.timeout_s)
     loads = [a.load.remote(rp, reader, task) for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
-    return _wait_with_progress(group, loads, plan, opts)
+    return plan, _wait_with_progress(group, loads, plan, opts)
 
 
 def _receive(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,
