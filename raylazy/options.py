@@ -58,10 +58,10 @@ class PlanOptions(BaseModel):
     @field_validator("mesh")
     @classmethod
     def _planned_dims(cls, mesh: Mesh) -> Mesh:
-        unsupported = {d: n for d, n in mesh.shape.items() if d != "tp" and n > 1}
+        unsupported = {d: n for d, n in mesh.shape.items() if d not in ("dp", "tp") and n > 1}
         if unsupported:
             raise ValueError(f"{', '.join(f'{d}={n}' for d, n in unsupported.items())} is not supported yet: raylazy "
-                             "plans tensor parallelism only; give a mesh whose other dimensions are 1")
+                             "plans replicas (dp) and tensor parallelism only; give a mesh whose other dimensions are 1")
         return mesh
 
     @property
@@ -131,6 +131,9 @@ class LoadOptions(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
     #: How shard refs travel: "auto" = object store for CPU shards, CUDA IPC for GPU shards.
     transport: Literal["auto", "object_store", "nccl", "gloo", "nixl", "cuda_ipc"] = "auto"
+    #: How a rank copies its shards from a live replica's rank (`raylazy.peers`): "auto" = the object store for
+    #: CPU shards, NCCL (Ray's direct tensor transport, device to device) for GPU shards.
+    peer_transport: Literal["auto", "object_store", "nccl", "gloo"] = "auto"
     #: Show a progress bar: None = when stderr is a terminal.
     progress: Optional[bool] = None
 

@@ -41,7 +41,7 @@ def make_plan(
         opts = opts.model_copy(update={"max_gap": storage_for(ckpt.root, storage_options).default_max_gap})
     cfg = ckpt.config
     chosen = match(resolve_rules(cfg.model_type, rules, opts.preset), (t.name for _, t in ckpt.tensors()))
-    coords = [mesh.coords(r) for r in range(mesh.size)]
+    coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
     per_rank: list[list[TensorShard]] = [[] for _ in coords]
     skipped = []
     for fi, t in ckpt.tensors():
@@ -66,7 +66,7 @@ def make_plan(
             else:
                 shards.append(_shard(fi, t, placement.describe(), slicing, opts.max_gap, ckpt.files[fi].path))
     files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest, version=f.version) for f in ckpt.files)
-    return Plan(
+    plan = Plan(
         root=ckpt.root,
         model_type=cfg.model_type,
         mesh=mesh,
@@ -77,6 +77,17 @@ def make_plan(
         skipped=tuple(skipped),
         ranks=tuple(RankPlan(rank=r, mesh=mesh, files=files, tensors=tuple(s)) for r, s in enumerate(per_rank)),
     )
+    return with_replicas(plan, mesh.dp)
+
+
+def with_replicas(plan: Plan, dp: int) -> Plan:
+    """`plan` for `dp` replicas: replica r's rank plans are replica 0's (the plan's first ranks), with replica r's
+    global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.peers`)."""
+    per = plan.mesh.size // plan.mesh.dp
+    mesh = validated(PlanOptions, mesh=Mesh(**{**plan.mesh.shape, "dp": dp})).mesh
+    ranks = tuple(RankPlan(rank=r * per + i, mesh=mesh, files=plan.files, tensors=rp.tensors)
+                  for r in range(dp) for i, rp in enumerate(plan.ranks[:per]))
+    return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
 
 
 def _shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
