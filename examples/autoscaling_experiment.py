@@ -11,6 +11,12 @@ read their byte ranges (to the CPU: the GPUs are pretend). A background thread p
 and the placement group table; each rank actor records when it started, was ready (torch
 imported) and read. Prints a table and writes `timeline.json` and `timeline.png` to `--out`.
 
+Second phase (when the cluster can hold two replicas: 2 x tp <= max_workers x gpus_per_node): with the
+first replica loaded from storage, `raylazy.load(source=loaded, ...)` asks for a second replica; the autoscaler
+adds nodes for it and its ranks copy their shards from the live replica's ranks instead of storage. The
+timeline, the table and the PNG show both phases: node start, actor start, bytes from storage, bytes from
+peers, seconds.
+
 When the cluster can never hold the request (tp > max_workers x gpus_per_node), the load fails with
 raylazy's `PlacementError` after `--timeout` seconds (its `placement_timeout_s`): the script prints
 it and exits with status 2. The cluster is torn down in every case: only the processes it started
@@ -171,6 +177,12 @@ class TimedRankLoader(RankLoader):
         self.read_span = (start, time.time())
         return stats
 
+    def receive(self, source, plan, batch_bytes, transport="object_store"):
+        start = time.time()
+        stats = super().receive(source, plan, batch_bytes, transport)
+        self.read_span = (start, time.time())
+        return stats
+
     def times(self) -> dict:
         return {"started": self.started_at, "ready": self.ready_at, "read_start": self.read_span[0],
                 "read_end": self.read_span[1]}
@@ -216,6 +228,18 @@ class Watcher(threading.Thread):
 # ---------------------------------------------------------------- the experiment
 
 
+def _rank_rows(loaded, t0: float) -> list[dict]:
+    """Per rank: where it ran, what it read from storage and copied from a peer, and when (seconds from t0)."""
+    import ray
+
+    rows = []
+    for info, st, tm in zip(loaded.ranks, loaded.stats, ray.get([a.times.remote() for a in loaded.actors])):
+        rows.append({"rank": info.rank, "node_id": info.node_id, "pid": info.pid, "gpu_ids": list(info.gpu_ids),
+                     "device": info.device, "bytes_read": st.bytes_read, "bytes_from_replica": st.bytes_from_replica,
+                     "read_seconds": st.seconds, **{k: (v - t0 if v is not None else None) for k, v in tm.items()}})
+    return rows
+
+
 def run_experiment(args, model_dir: str, cluster: FakeCluster) -> dict:
     import ray
 
@@ -229,32 +253,34 @@ def run_experiment(args, model_dir: str, cluster: FakeCluster) -> dict:
     watcher.start()
     t0 = time.time()
     result = {"t0": t0, "tp": args.tp, "gpus_per_node": args.gpus_per_node, "max_workers": args.max_workers,
-              "timeout_s": args.timeout, "error": None, "ranks": []}
-    loaded = None
+              "timeout_s": args.timeout, "error": None, "ranks": [], "replica": None}
+    loaded = replica = None
     try:
         loaded = raylazy.load(model_dir, tp=args.tp, use_gpu=True, device="cpu", progress=False,
                               placement_timeout_s=args.timeout, actor_cls=TimedRankLoader)
         result["load_seconds"] = time.time() - t0
-        times = ray.get([a.times.remote() for a in loaded.actors])
-        for info, st, tm in zip(loaded.ranks, loaded.stats, times):
-            result["ranks"].append({"rank": info.rank, "node_id": info.node_id, "pid": info.pid,
-                                    "gpu_ids": list(info.gpu_ids), "device": info.device,
-                                    "bytes_read": st.bytes_read, "read_seconds": st.seconds,
-                                    **{k: (v - t0 if v is not None else None) for k, v in tm.items()}})
+        result["ranks"] = _rank_rows(loaded, t0)
         result["summary"] = loaded.summary()
+        if 2 * args.tp <= args.max_workers * args.gpus_per_node:  # room for a second replica: copy it from the first
+            t1 = time.time()
+            replica = raylazy.load(source=loaded, use_gpu=True, device="cpu", progress=False,
+                                   placement_timeout_s=args.timeout, actor_cls=TimedRankLoader)
+            result["replica"] = {"start": t1 - t0, "load_seconds": time.time() - t1, "ranks": _rank_rows(replica, t0),
+                                 "summary": replica.summary()}
     except RaylazyError as e:  # PlacementError when the cluster cannot hold tp GPUs within --timeout
-        result["load_seconds"] = time.time() - t0
+        result["load_seconds"] = result.get("load_seconds", time.time() - t0)
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if loaded is not None:
-            loaded.release()
+        for m in (replica, loaded):
+            if m is not None:
+                m.release()
         watcher.poll()
         watcher.stop()
         ray.shutdown()
     result["pg_placed"] = watcher.pg_placed_at - t0 if watcher.pg_placed_at else None
     nodes = sorted(watcher.nodes.values(), key=lambda n: n["seen_at"])
     result["nodes"] = [{**n, "seen_at": n["seen_at"] - t0} for n in nodes]
-    for r in result["ranks"]:
+    for r in result["ranks"] + (result["replica"] or {}).get("ranks", []):
         r["node_added"] = next((n["seen_at"] for n in result["nodes"] if n["node_id"] == r["node_id"]), None)
     return result
 
@@ -269,14 +295,20 @@ def report(result: dict) -> str:
         kind = "head (present before the load)" if n["head"] else f"worker, {n['gpus']:g} GPU(s)"
         lines.append(f"  {t(n['seen_at'] if n['seen_at'] > 0 else 0.0)}  {n['node_id'][-12:]}  {kind}")
     lines.append(f"placement group placed at {t(result['pg_placed']).strip()}")
-    if result["ranks"]:
+    phases = [("first replica, from storage", result["ranks"], result.get("load_seconds"))]
+    if result["replica"]:
+        rep = result["replica"]
+        phases.append((f"second replica, from the live one (asked at {rep['start']:.2f})", rep["ranks"],
+                       rep["load_seconds"]))
+    for title, ranks, seconds in phases if result["ranks"] else ():
+        lines.append(f"{title}:")
         lines.append(f"{'rank':>4} {'node':>12} {'node added':>10} {'started':>8} {'ready':>8} {'read from':>9} "
-                     f"{'read to':>8} {'read s':>7} {'bytes':>10}")
-        for r in result["ranks"]:
+                     f"{'read to':>8} {'read s':>7} {'storage B':>10} {'peers B':>10}")
+        for r in ranks:
             lines.append(f"{r['rank']:>4} {r['node_id'][-12:]:>12} {t(r['node_added']):>10} {t(r['started'])} "
                          f"{t(r['ready'])} {t(r['read_start']):>9} {t(r['read_end'])} {r['read_seconds']:7.3f} "
-                         f"{r['bytes_read']:>10}")
-        lines.append(f"total load time {result['load_seconds']:.2f} s")
+                         f"{r['bytes_read']:>10} {r['bytes_from_replica']:>10}")
+        lines.append(f"total load time {seconds:.2f} s")
     if result["error"]:
         lines.append(f"load failed after {result['load_seconds']:.1f} s: {result['error']}")
     return "\n".join(lines)
@@ -288,17 +320,25 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    end = max([result["load_seconds"]] + [r["read_end"] for r in result["ranks"]])
+    second = (result["replica"] or {}).get("ranks", [])
+    end = max([result["load_seconds"]] + [r["read_end"] for r in result["ranks"] + second])
     workers = [n for n in result["nodes"] if not n["head"]]
     lanes = [(f"node …{n['node_id'][-5:]}", n) for n in workers]
     lanes += [(f"rank {r['rank']} (node …{r['node_id'][-5:]})", r) for r in result["ranks"]]
+    lanes += [(f"replica 2 rank {r['rank']} (node …{r['node_id'][-5:]})", {**r, "peer": True}) for r in second]
+    labelled = set()
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.6))
     for y, (_, item) in enumerate(lanes):
         if "rank" in item:
-            ax.broken_barh([(item["started"], item["ready"] - item["started"])], (y - 0.3, 0.6), color="tab:orange",
-                           label="actor start (imports torch)" if y == len(workers) else None)
-            ax.broken_barh([(item["read_start"], max(item["read_end"] - item["read_start"], end / 400))],
-                           (y - 0.3, 0.6), color="tab:green", label="reading its ranges" if y == len(workers) else None)
+            peer = item.get("peer", False)
+            mb = (item["bytes_from_replica"] if peer else item["bytes_read"]) / 1e6
+            how = (("copying from the live replica", "tab:purple") if peer else ("reading its ranges from storage", "tab:green"))
+            for label, color, span in (("actor start (imports torch)", "tab:orange", (item["started"], item["ready"] - item["started"])),
+                                       (*how, (item["read_start"], max(item["read_end"] - item["read_start"], end / 400)))):
+                ax.broken_barh([span], (y - 0.3, 0.6), color=color, label=None if label in labelled else label)
+                labelled.add(label)
+            ax.text(item["read_end"] + end / 200, y, f"{mb:.1f} MB {'from peers' if peer else 'from storage'}",
+                    va="center", fontsize="x-small")
         else:
             ax.broken_barh([(max(item["seen_at"], 0), end - max(item["seen_at"], 0))], (y - 0.15, 0.3),
                            color="tab:blue", label="worker node up" if y == 0 else None)
@@ -306,9 +346,11 @@ def plot(result: dict, path: str) -> None:
         ax.axvline(result["pg_placed"], color="k", ls="--", lw=1, label="placement group placed")
     ax.axvline(result["load_seconds"], color="tab:red", lw=1,
                label="load returned" if not result["error"] else result["error"].split(":")[0])
+    if result["replica"]:
+        ax.axvline(result["replica"]["start"], color="tab:purple", ls=":", lw=1, label="second replica asked for")
     ax.set_yticks(range(len(lanes)), [name for name, _ in lanes])
     ax.invert_yaxis()
-    ax.set_xlim(0, end * 1.03)
+    ax.set_xlim(0, end * 1.15)
     ax.set_xlabel("seconds from the raylazy.load call")
     ax.set_title(f"raylazy tp={result['tp']} on the fake autoscaler ({result['gpus_per_node']} GPU/node)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
@@ -375,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {result['error']}", file=sys.stderr)
         return 2
     print(result["summary"])
+    if result["replica"]:
+        print(result["replica"]["summary"])
     return 0
 
 

@@ -92,6 +92,27 @@ class RankLoader:
         self._shards = shards
         return stats
 
+    def receive(self, source, plan: RankPlan, batch_bytes: int, transport: str = "object_store") -> ReadStats:
+        """Copy this rank's shards from `source`, the rank actor with the same stage and tp rank in a live replica
+        (`raylazy.peers`), instead of reading storage. On failure (a PeerFailedError) nothing is kept."""
+        self._shards, self._progress = None, Counter()
+        from .peers import receive_shards
+
+        self._landed: dict = {}
+        shards, stats = receive_shards(source, plan, self.info_.device, batch_bytes, transport, self._progress.add,
+                                       self._landed)
+        self._shards = shards
+        return stats
+
+    def land(self, key: int, shards: dict) -> None:
+        """A batch of shards arriving over a direct transport for `receive` (Ray delivers them as this argument)."""
+        self._landed[key] = shards
+
+    def peer_shards(self, names: list[str]) -> dict:
+        """The shards named, for a rank copying them (`receive`): through the object store or a direct transport."""
+        shards = self.shards()
+        return {n: shards[n] for n in names if n in shards}
+
     def shards(self) -> dict:
         """This rank's {name: tensor}; returned through the object store or a direct tensor transport."""
         if self._shards is None:

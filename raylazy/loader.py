@@ -17,17 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actor import RankInfo, RankLoader
-from .errors import ConfigurationError
-from .group import RankGroup
+from .errors import ConfigurationError, PeerFailedError, RankFailedError
+from .group import RankGroup, _cause
 from .io.backends import NODE_BACKENDS, backend_for, check_backend
 from .io.common import ReadStats
 from .options import LoadOptions, load_options
 from .mesh import Coord, Mesh
+from .peers import peer_transport, source_rank
 from .placement import check_placeable, ensure_ray, rank_bundles, stage_strategy
 from .plans import Plan, format_bytes
-from .planner import make_plan
+from .planner import make_plan, with_replicas
 from .rules import RulesLike
-from .schedule import NodeTask
+from .schedule import NodeTask, group_by_node
 
 log = logging.getLogger("raylazy")
 
@@ -68,6 +69,11 @@ class LoadedModel:
     def ranks(self) -> list[RankInfo]:
         return self.group.ranks
 
+    @property
+    def mesh(self) -> list[Coord]:
+        """Per global rank, in `refs()` order: its replica, stage and tp rank."""
+        return [self.plan.mesh.coord(r) for r in range(self.plan.mesh.size)]
+
     def refs(self, transport: str | None = None) -> list:
         """Per rank, an ObjectRef resolving to {name: tensor}.
 
@@ -100,14 +106,17 @@ class LoadedModel:
         """One line: model, tp, bytes, end-to-end and reading seconds, GB/s, bytes read beyond the needed."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
+        from_replica = sum(s.bytes_from_replica for s in self.stats)
+        read_needed = sum(s.bytes_needed for s in self.stats if not s.bytes_from_replica)
         reading = max((s.seconds for s in self.stats), default=0.0)
+        replicas = f" x {self.plan.mesh.dp} replicas" if self.plan.mesh.dp > 1 else ""
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp}"
-            f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''} "
+            f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''}{replicas} "
             f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
-            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} "
-            f"({format_bytes(read - needed)} beyond the needed)"
+            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} from storage "
+            f"({format_bytes(read - read_needed)} beyond the needed), {format_bytes(from_replica)} copied from live replicas"
         )
 
     def release(self) -> None:
@@ -123,12 +132,14 @@ class LoadedModel:
 
 
 def load(
-    model_dir: str | os.PathLike,
+    model_dir: str | os.PathLike | None = None,
     tp: int | None = None,
     *,
     pp: int | None = None,
     expert_parallel: bool = False,
     pp_layers: list[int] | None = None,
+    replicas: int = 1,
+    source: LoadedModel | None = None,
     mesh: Mesh | None = None,
     rules: RulesLike | None = None,
     device: str = "auto",
@@ -146,39 +157,139 @@ def load(
     rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
     page cache on CPUs, "cooperative"; stripes exchanged over NCCL on GPUs, "exchange"; a rank alone on its node
     reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
-    a subclass. Options (validated before anything starts, see `raylazy.options`; a ConfigurationError
-    otherwise): preset, uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes,
-    stripe_timeout_s, staging_budget, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
-    autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
+    a subclass.
+
+    replicas: copies of the tp group (`mesh[g].replica`); replica 0's ranks read from storage, the others copy
+    their shards from them (`raylazy.peers`). source: a live LoadedModel to copy every shard from (rank by rank,
+    same stage and tp rank) with no storage access; model_dir, tp, mesh and rules then come from its plan. A
+    rank whose copy fails reads from storage instead; when that fails too, a PeerFailedError.
+
+    Options (validated before anything starts, see `raylazy.options`; a ConfigurationError otherwise): preset,
+    uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes, stripe_timeout_s,
+    staging_budget (also the batch of a peer copy), nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
+    autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, peer_transport, progress.
     Uses the Ray this process has initialised, else the cluster RAY_ADDRESS names, else starts a local one.
     """
+    tp, pp, mesh = _replicated(model_dir, tp, pp, mesh, rules, replicas, source)
     opts = load_options(tp=tp, pp=pp, expert_parallel=expert_parallel, pp_layers=pp_layers, mesh=mesh,
                         device=device, backend=backend, **options)
     place, mesh = opts.placement, opts.plan.mesh
     own_ray = ensure_ray()
     t0 = time.perf_counter()
     bundles = rank_bundles(mesh.size, place, own_ray)
-    groups = mesh.size // mesh.tp if mesh.pp > 1 else 1  # with pipeline stages, one placement group per stage
+    groups = mesh.size // mesh.tp if mesh.pp > 1 else 1  # with stages, a placement group per stage (of each replica)
     strategy = stage_strategy(bundles, place, groups)
     check_placeable(bundles, strategy, place.autoscale, groups)
     group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
     try:
-        plan = make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan))
+        plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
+                else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
         check_backend(opts.reader.backend, plan.ranks)
-        ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        nodes = group.nodes
-        readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
-        if any(r.backend in NODE_BACKENDS for r in readers):
-            plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
-        tasks = _node_tasks(group, plan, readers, opts.timeout_s)
-        loads = [a.load.remote(rp, reader, task) for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
-        stats = _wait_with_progress(group, loads, plan, opts)
+        group.wait_ready(place.placement_timeout_s, opts.timeout_s)
+        read = []
+        if source is None:  # replica 0 reads from storage; its node schedules (if any) are the load's
+            scheduled, read = _read(group, plan.model_copy(update={"ranks": plan.ranks[: plan.mesh.size // plan.mesh.dp]}), opts)
+            plan = plan.model_copy(update={"nodes": scheduled.nodes})
+        stats = _receive(group, plan, opts, source, read)
     except BaseException:
         group.release()
         raise
     loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0)
     log.info("%s", loaded.summary())
     return loaded
+
+
+def _replicated(model_dir, tp, pp, mesh, rules, replicas: int, source: LoadedModel | None) -> tuple:
+    """`load`'s (tp, pp, mesh) with its replicas: the mesh with dp=replicas (from the source's plan, given one)."""
+    if source is not None:
+        given = {k: v for k, v in (("model_dir", model_dir), ("tp", tp), ("pp", pp), ("mesh", mesh), ("rules", rules))
+                 if v is not None}
+        if model_dir is not None and os.path.abspath(model_dir) == os.path.abspath(source.plan.root):
+            given.pop("model_dir")
+        if tp == source.plan.tp:
+            given.pop("tp")
+        if pp == source.plan.mesh.pp:
+            given.pop("pp")
+        if given or not source.actors:
+            raise ConfigurationError(
+                f"load(source=...) copies the source's plan ({source.plan.root}, {source.plan.mesh}): "
+                + (f"give no {', '.join(given)}" if given else "the source was released: load from storage"))
+        base = source.plan.mesh
+    elif model_dir is None:
+        raise ConfigurationError("load() needs model_dir (a checkpoint directory or cached model id), or source= "
+                                 "a live LoadedModel to copy")
+    elif replicas == 1:
+        return tp, pp, mesh
+    elif mesh is not None and mesh.dp != 1:
+        raise ConfigurationError(f"give replicas={replicas} or a mesh with dp={mesh.dp}, not both")
+    else:
+        base = mesh if mesh is not None else Mesh(tp=1 if tp is None else tp, pp=1 if pp is None else pp)
+    return None, None, Mesh(**{**base.shape, "dp": replicas})
+
+
+def _read(group: RankGroup, plan: Plan, opts: LoadOptions) -> tuple[Plan, list[ReadStats]]:
+    """The ranks of `plan` (the group's first ranks) read their shards from storage; returns the plan as read
+    (with its node schedules, for node backends) and their ReadStats."""
+    ranks = group.ranks[: len(plan.ranks)]
+    nodes = group_by_node([r.node_id for r in ranks])
+    readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
+    if any(r.backend in NODE_BACKENDS for r in readers):
+        plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
+    tasks = _node_tasks(group, plan, readers, opts.timeout_s)
+    loads = [a.load.remote(rp, reader, task) for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
+    return plan, _wait_with_progress(group, loads, plan, opts)
+
+
+def _receive(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,
+             read: list[ReadStats]) -> list[ReadStats]:
+    """The ranks after those that `read` from storage copy their shards from a live replica's rank with their
+    coordinates (the source's, else replica 0 of this load); those whose copy fails read from storage instead
+    (`_read_instead`). Returns every rank's ReadStats."""
+    import ray
+
+    first = len(read)
+    ranks = range(first, plan.mesh.size)
+    if not ranks:
+        return read
+    held = source.group if source is not None else group
+    src_mesh, src_replicas = (source.plan.mesh, source.plan.mesh.dp) if source is not None else (plan.mesh, 1)
+    feeds = [source_rank(src_mesh, plan.mesh.coord(r), src_replicas) for r in ranks]
+    devices = {held.ranks[s].device for s in feeds} | {group.ranks[r].device for r in ranks}
+    transport = peer_transport(opts.peer_transport, "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
+    deadline = time.monotonic() + opts.timeout_s
+    stats, failed = dict(enumerate(read)), {}
+    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader.staging_budget, transport)
+            for r, s in zip(ranks, feeds)}
+    for r, ref in refs.items():
+        try:
+            stats[r] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001  (a failed copy: read from storage instead)
+            failed[r] = _cause(e)
+    if failed:
+        # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
+        again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
+        stats.update(_read_instead(group, plan, opts, again, failed))
+    return [stats[r] for r in range(plan.mesh.size)]
+
+
+def _read_instead(group: RankGroup, plan: Plan, opts: LoadOptions, ranks: list[int], failed: dict) -> dict:
+    """Ranks whose copy from a live replica failed read their shards from storage, each alone; when that fails
+    too (the checkpoint is gone), one PeerFailedError naming both causes. Returns rank -> ReadStats."""
+    first = next(iter(failed.values()))
+    log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s from "
+                "storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)), plan.root)
+    reader = opts.reader.model_copy(update={"backend": "ranged"}) if opts.reader.backend != "fastsafetensors" else opts.reader
+    try:
+        stats = group.gather([group.actors[r].load.remote(plan.ranks[r], reader) for r in ranks], opts.timeout_s,
+                             "load from storage")
+    except RankFailedError as e:
+        cause = next(iter(e.failures.values()))
+        raise PeerFailedError(
+            f"rank(s) {', '.join(map(str, failed))} could not copy their shards from a live replica "
+            f"({type(first).__name__}: {first}), and reading them from storage ({plan.root}) failed too "
+            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}): load "
+            "again from another live replica, or from storage once the checkpoint is reachable") from e
+    return dict(zip(ranks, stats))
 
 
 def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple = ()):

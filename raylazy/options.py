@@ -63,14 +63,6 @@ class PlanOptions(BaseModel):
             data["pp_layers"] = tuple(data["pp_layers"])
         return data
 
-    @field_validator("mesh")
-    @classmethod
-    def _planned_dims(cls, mesh: Mesh) -> Mesh:
-        if mesh.dp > 1:
-            raise ValueError(f"dp={mesh.dp} is not supported yet: raylazy plans pipeline stages and tensor "
-                             "parallelism only; give a mesh with dp=1")
-        return mesh
-
     @model_validator(mode="after")
     def _one_count_per_stage(self) -> "PlanOptions":
         if self.pp_layers is not None and len(self.pp_layers) != self.mesh.pp:
@@ -145,6 +137,9 @@ class LoadOptions(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
     #: How shard refs travel: "auto" = object store for CPU shards, CUDA IPC for GPU shards.
     transport: Literal["auto", "object_store", "nccl", "gloo", "nixl", "cuda_ipc"] = "auto"
+    #: How a rank copies its shards from a live replica's rank (`raylazy.peers`): "auto" = the object store for
+    #: CPU shards, NCCL (Ray's direct tensor transport, device to device) for GPU shards.
+    peer_transport: Literal["auto", "object_store", "nccl", "gloo"] = "auto"
     #: Show a progress bar: None = when stderr is a terminal.
     progress: Optional[bool] = None
 

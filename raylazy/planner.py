@@ -71,7 +71,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
     cfg = ckpt.config
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
     chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
-    coords = [mesh.coords(r) for r in range(mesh.size)]
+    coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
     ranks_of = [[[r for r, c in enumerate(coords) if (c["pp"], c["tp"]) == (s, k)] for k in range(mesh.tp)]
                 for s in range(mesh.pp)]  # stage -> tp rank -> its global ranks
     stages = _stages(ckpt, opts, all_rules, [n for n, rule in chosen.items() if rule.placement.loaded])
@@ -105,7 +105,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({label}, rule {rule.pattern!r}): {e}") from None
     files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest, version=f.version) for f in ckpt.files)
-    return Plan(
+    plan = Plan(
         root=ckpt.root,
         model_type=cfg.model_type,
         mesh=mesh,
@@ -116,6 +116,17 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
         skipped=tuple(skipped),
         ranks=tuple(RankPlan(rank=r, mesh=mesh, files=files, tensors=tuple(s)) for r, s in enumerate(per_rank)),
     )
+    return with_replicas(plan, mesh.dp)
+
+
+def with_replicas(plan: Plan, dp: int) -> Plan:
+    """`plan` for `dp` replicas: replica r's rank plans are replica 0's (the plan's first ranks), with replica r's
+    global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.peers`)."""
+    per = plan.mesh.size // plan.mesh.dp
+    mesh = validated(PlanOptions, mesh=Mesh(**{**plan.mesh.shape, "dp": dp})).mesh
+    ranks = tuple(RankPlan(rank=r * per + i, mesh=mesh, files=plan.files, tensors=rp.tensors)
+                  for r in range(dp) for i, rp in enumerate(plan.ranks[:per]))
+    return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
 
 
 def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names: list[str]) -> dict[str, tuple[int, ...]]:

@@ -275,17 +275,21 @@ class Plan(_Frozen):
             f"{len(self.files)} file(s), {format_bytes(naive)} in the checkpoint",
             f"{'rank':>4} {'tensors':>8} {'needed':>11} {'read':>11} {'requests':>9} {'files':>5}",
         ]
-        for rp in self.ranks:
+        reading = self.ranks[: len(self.ranks) // self.mesh.dp]  # replica 0 reads; the other replicas copy it
+        for rp in reading:
             s = rp.stats
             lines.append(
                 f"{rp.rank:>4} {s.tensors:>8} {format_bytes(s.bytes_needed):>11} {format_bytes(s.bytes_read):>11} "
                 f"{s.requests:>9} {s.files:>5}"
             )
-        total = self.bytes_read
+        total = sum(rp.stats.bytes_read for rp in reading)
         lines.append(
             f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
             f"whole on every rank would be {len(self.ranks)}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
         )
+        if self.mesh.dp > 1:
+            lines.append(f"replicas 1-{self.mesh.dp - 1} ({len(self.ranks) - len(reading)} rank(s)) copy the same shards "
+                         "from replica 0's ranks, reading nothing from storage")
         for n in self.nodes:
             needed = sum(self.ranks[r].stats.bytes_needed for r in n.ranks)
             lines.append(

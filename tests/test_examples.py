@@ -264,18 +264,19 @@ def _processes_naming(tag: str) -> list[int]:
 @pytest.mark.timeout(900)
 def test_autoscaling_reduced(tmp_path):
     """On the fake autoscaler, tp=2 at 1 GPU per node: two nodes are added, then the ranks are placed on them
-    and load; a request the cluster can never hold (tp=2, one 1-GPU node at most) fails with raylazy's
+    and load; then a second replica gets two more nodes and copies its shards from the first, reading nothing
+    from storage; a request the cluster can never hold (tp=2, one 1-GPU node at most) fails with raylazy's
     PlacementError once the timeout has passed, not a hang."""
     model_dir = _tiny_llama(tmp_path / "model")
 
-    proc, tl, _ = _experiment(tmp_path / "ok", model_dir, "--tp", "2", "--gpus-per-node", "1", "--max-workers", "2",
+    proc, tl, _ = _experiment(tmp_path / "ok", model_dir, "--tp", "2", "--gpus-per-node", "1", "--max-workers", "4",
                               "--timeout", "180")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     assert "raylazy: loaded" in proc.stdout and "total load time" in proc.stdout, text
     assert os.path.getsize(tmp_path / "ok" / "timeline.png") > 1000
     workers = {n["node_id"]: n for n in tl["nodes"] if not n["head"]}
-    assert len(workers) == 2 and all(n["gpus"] == 1 for n in workers.values()), tl
+    assert len(workers) == 4 and all(n["gpus"] == 1 for n in workers.values()), tl
     assert all(n["seen_at"] > 0 for n in workers.values()), tl            # none before the load asked for GPUs
     assert len(tl["ranks"]) == 2 and len({r["node_id"] for r in tl["ranks"]}) == 2, tl
     assert tl["pg_placed"] is not None
@@ -284,6 +285,16 @@ def test_autoscaling_reduced(tmp_path):
         assert r["node_added"] < r["started"], tl                         # its node was added before it was placed
         assert r["node_added"] <= tl["pg_placed"], tl                     # (and before the group was)
         assert r["started"] <= r["ready"] <= r["read_start"] <= r["read_end"] <= tl["load_seconds"], r
+    # the second replica: on two nodes added for it, its shards copied from the first, nothing from storage
+    second = tl["replica"]
+    assert "second replica, from the live one" in proc.stdout and "copied from live replicas" in proc.stdout, text
+    assert len(second["ranks"]) == 2 and second["start"] >= tl["load_seconds"], second
+    first_nodes = {r["node_id"] for r in tl["ranks"]}
+    for r in second["ranks"]:
+        assert r["node_id"] in workers and r["node_id"] not in first_nodes, r
+        assert second["start"] < r["node_added"] < r["started"] <= r["ready"] <= r["read_start"] <= r["read_end"], r
+        assert r["bytes_read"] == 0 and r["bytes_from_replica"] > 0, r
+    assert sum(r["bytes_from_replica"] for r in second["ranks"]) == sum(r["bytes_read"] for r in tl["ranks"]), tl
 
     timeout_s = 15
     proc, tl, elapsed = _experiment(tmp_path / "never", model_dir, "--tp", "2", "--gpus-per-node", "1",

@@ -65,11 +65,6 @@ def test_plan_records_its_mesh(llama_dir):
     assert pickle.loads(pickle.dumps(plan)).ranks[2].coords == plan.ranks[2].coords
 
 
-def test_replicas_are_refused_for_now(llama_dir):
-    with pytest.raises(ConfigurationError, match="dp=2 is not supported yet"):
-        make_plan(llama_dir, mesh=Mesh(dp=2, tp=2))
-
-
 # --- one validation path: plan, load and the CLI ----------------------------------------
 
 

@@ -170,6 +170,17 @@ def test_mixtral_stages_and_experts(mixtral_dir, tp, pp, ep):
         assert all(t.dim is None for rp in plan.ranks for t in rp.tensors if ".experts." in t.name)
 
 
+def test_replicas_of_a_stage_grid(mixtral_dir):
+    """dp=2 x pp=2 x tp=2: replica 1's ranks (4-7) hold exactly what replica 0's ranks of the same stage and tp
+    rank hold."""
+    plan = raylazy.plan(mixtral_dir, mesh=raylazy.Mesh(dp=2, pp=2, tp=2), expert_parallel=True)
+    assert [tuple(rp.coords.values()) for rp in plan.ranks] == [(d, s, r) for d in range(2) for s in range(2)
+                                                                for r in range(2)]
+    check_plan(plan.model_copy(update={"ranks": plan.ranks[:4], "mesh": raylazy.Mesh(pp=2, tp=2)}), mixtral_dir,
+               2, 2, True, tied=False)
+    assert [rp.tensors for rp in plan.ranks[4:]] == [rp.tensors for rp in plan.ranks[:4]]
+
+
 @pytest.mark.parametrize("kind, tied", [("qwen2_moe", False), ("qwen3_moe", True), ("deepseek_v3", False),
                                         ("mixtral_fused", False)])
 @pytest.mark.parametrize("ep", [True, False])

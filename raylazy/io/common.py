@@ -29,6 +29,9 @@ class ReadStats:
     bytes_read: int = 0
     #: Bytes received from peer ranks instead of storage (cooperative reads; 0 today).
     bytes_received: int = 0
+    #: Bytes of shards copied from the rank with the same coordinates in a live replica (`raylazy.peers`),
+    #: instead of reading them from storage (`bytes_read` is then 0).
+    bytes_from_replica: int = 0
     #: Read requests issued to storage: contiguous byte ranges read (however the reader splits them into calls).
     requests: int = 0
     seconds: float = 0.0
