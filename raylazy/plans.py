@@ -285,7 +285,7 @@ class Plan(_Frozen):
         total = sum(rp.stats.bytes_read for rp in reading)
         lines.append(
             f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
-            f"whole on every rank would be {len(self.ranks)}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
+            f"whole on every rank would be {len(reading)}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
         )
         if self.mesh.dp > 1:
             lines.append(f"replicas 1-{self.mesh.dp - 1} ({len(self.ranks) - len(reading)} rank(s)) copy the same shards "
