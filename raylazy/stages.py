@@ -8,7 +8,7 @@ first stage, and the last too when the word embeddings are tied: the last stage 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Literal, Sequence
+from typing import Callable, Iterable, Literal, Sequence
 
 from .errors import ConfigurationError, StageError
 
@@ -38,20 +38,16 @@ def partition(num_layers: int, pp: int, pp_layers: Sequence[int] | None = None) 
     return tuple(counts)
 
 
-def stage_of_layers(counts: Sequence[int]) -> list[int]:
-    """Layer index -> its stage, for stages holding `counts` layers each in order."""
-    return [s for s, n in enumerate(counts) for _ in range(n)]
-
-
 def tensor_stages(
     names: Iterable[str],
     counts: Sequence[int],
-    stage_rule,
+    stage_rule: Callable[[str], Stage | None],
     tied: bool,
 ) -> dict[str, tuple[int, ...]]:
-    """Each name -> the stages that hold it. `stage_rule(name)` gives the stage a rule names for a tensor
-    without a layer index (None: no rule does); `tied`: the word embeddings are the head too."""
-    pp, by_layer = len(counts), stage_of_layers(counts)
+    """Each name -> the stages that hold it, the stages holding `counts` layers each in order. `stage_rule(name)`
+    gives the stage a rule names for a tensor without a layer index (None: no rule does); `tied`: the word
+    embeddings are the head too."""
+    pp, by_layer = len(counts), [s for s, n in enumerate(counts) for _ in range(n)]  # layer -> its stage
     named = {"first": (0,), "last": (pp - 1,), "all": tuple(range(pp)),
              "embedding": tuple(sorted({0, pp - 1})) if tied else (0,)}
     out = {}
@@ -65,8 +61,8 @@ def tensor_stages(
                                  "stage='first')] ('first', 'last', 'all' or 'embedding')")
             out[name] = named[stage]
         elif layer >= len(by_layer):
-            raise StageError(f"tensor {name!r} is in layer {layer}, but config.json's num_hidden_layers is "
-                             f"{len(by_layer)} (layers 0-{len(by_layer) - 1}); extra layers (e.g. DeepSeek's "
+            raise StageError(f"tensor {name!r} is in layer {layer}, but the model has {len(by_layer)} layers "
+                             f"(config.json's num_hidden_layers; layers 0-{len(by_layer) - 1}); extra layers (e.g. DeepSeek's "
                              f"multi-token-prediction layer) are not planned: skip them with "
                              f"rules=[('*layers.{layer}.*', Skip())]")
         else:
