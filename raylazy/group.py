@@ -1,19 +1,23 @@
-"""A rank group: one placement group and one actor per rank, their lifecycle, and calls gathered by rank.
+"""A rank group: the rank actors (with the placement group raylazy made for them, or the caller's own actors),
+their lifecycle, and calls gathered by rank.
 
-The group is created before planning, so its actors start (import torch) while the
-driver reads headers. Every failure of a call over the group becomes one
-`RankFailedError` keyed by rank. `release()` kills the actors and removes the
-placement group, on every path.
+raylazy's own group is created before planning, so its actors start (import torch) while the
+driver reads headers. Every failure of a call over the group becomes one `RankFailedError`
+keyed by rank. `release()` removes the placement group and kills the actors raylazy started,
+on every path (a second interrupt during it included); the caller's actors only drop their shards.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .actor import RankInfo, RankLoader
+from .actor import RankInfo, RankLoader, forget_rank
 from .errors import ConfigurationError, PlacementError, RankFailedError
 from .placement import describe_resources
 from .schedule import NodeGroups, group_by_node
@@ -21,12 +25,17 @@ from .schedule import NodeGroups, group_by_node
 
 @dataclass
 class RankGroup:
-    """The actors of one load, rank r in bundle r of `placement_group`; `ranks` once they are ready."""
+    """The actors of one load, rank r in bundle r of `placement_group`; `ranks` once they are ready.
+
+    `owned`: raylazy created the actors (and the placement group) and kills them on release; a group of the
+    caller's actors (`adopt`) has no placement group and its release only drops their shards.
+    """
 
     name: str
     actors: list
     placement_group: Any
     ranks: list[RankInfo] = field(default_factory=list)
+    owned: bool = True
 
     @classmethod
     def create(cls, bundles: list[dict], device: str = "auto", strategy: str = "PACK", max_retries: int = 2,
@@ -73,6 +82,24 @@ class RankGroup:
             raise
         return cls(name, actors, pg)
 
+    @classmethod
+    def adopt(cls, actors: list, device: str = "auto", timeout_s: float = 300.0) -> "RankGroup":
+        """A group of the caller's actors, rank r being `actors[r]`: each must have `raylazy.RankMixin`'s methods;
+        each is made rank r (`rank_init`) now, so the group is ready when this returns."""
+        missing = sorted({m for a in actors for m in RANK_METHODS if not hasattr(a, m)})
+        if not actors or missing:
+            raise ConfigurationError(
+                f"actors= needs one Ray actor per rank whose class mixes in raylazy.RankMixin; "
+                + (f"these lack {', '.join(missing)}" if actors else "got none"))
+        group = cls(f"raylazy-{uuid.uuid4().hex[:8]}", list(actors), None, owned=False)
+        group.ranks = group.gather([a.rank_init.remote(r, device) for r, a in enumerate(actors)], timeout_s, "start")
+        return group
+
+    def refresh(self, timeout_s: float = 300.0, what: str = "info") -> list[RankInfo]:
+        """Ask every actor where it runs now (a restarted rank has a new process, maybe on another node)."""
+        self.ranks = self.gather([a.info.remote() for a in self.actors], timeout_s, what) if self.actors else []
+        return self.ranks
+
     @property
     def size(self) -> int:
         return len(self.actors)
@@ -86,7 +113,7 @@ class RankGroup:
         """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""
         import ray
 
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
+        ready = self.placement_group is None or ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)[0]
         if not ready:
             bundle = self.placement_group.bundle_specs[0] if self.placement_group.bundle_specs else {}
             raise PlacementError(
@@ -95,8 +122,7 @@ class RankGroup:
                 f"and {describe_resources(ray.available_resources())} free. Add nodes, lower tp, or pass "
                 "use_gpu=False / a smaller cpus_per_rank"
             )
-        self.ranks = self.gather([a.info.remote() for a in self.actors], timeout_s, "start")
-        return self.ranks
+        return self.refresh(timeout_s, "start")
 
     def gather(self, refs: list, timeout_s: float, what: str, grace_s: float = 2.0) -> list:
         """ray.get every rank's ref; failures (or a timeout) become one RankFailedError keyed by rank.
@@ -141,21 +167,49 @@ class RankGroup:
         return ""
 
     def release(self) -> None:
-        """Kill the actors and remove the placement group (idempotent; errors of what is already gone ignored)."""
+        """Remove the placement group, then kill the actors raylazy started (the caller's actors only drop their
+        shards); idempotent, errors of what is already gone ignored. A Ctrl-C (SIGINT) arriving meanwhile is
+        held until the release is done, then raised."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001  (already dead)
-                pass
-        if self.placement_group is not None:
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001  (already removed)
-                pass
-        self.actors, self.placement_group, self.ranks = [], None, []
+        with _sigint_deferred():
+            if self.placement_group is not None:  # first: removing it also ends the actors in it
+                try:
+                    remove_placement_group(self.placement_group)
+                except Exception:  # noqa: BLE001  (already removed)
+                    pass
+            for a in self.actors:
+                try:
+                    if self.owned:
+                        ray.kill(a, no_restart=True)
+                    else:
+                        a.release.remote()
+                    forget_rank(a._actor_id.hex())
+                except Exception:  # noqa: BLE001  (already dead)
+                    pass
+            self.actors, self.placement_group, self.ranks = [], None, []
+
+
+#: The methods raylazy calls on a rank actor (`raylazy.RankMixin` has them all).
+RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release")
+
+
+@contextmanager
+def _sigint_deferred():
+    """Hold SIGINT (Ctrl-C) while the block runs and raise KeyboardInterrupt after it if one came; outside the
+    main thread (where signal handlers cannot be set) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _cause(e: Exception) -> BaseException:

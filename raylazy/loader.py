@@ -1,9 +1,11 @@
-"""`raylazy.load`: plan on the driver, one Ray actor per rank reads its ranges, refs come back.
+"""`raylazy.load`: plan on the driver, one Ray actor per rank reads its ranges, refs come back; `LoadedModel.reload`.
 
 A thin composition: options -> Ray (joined or started) -> bundles checked against the
 cluster -> a `RankGroup` created first, so its actors start (import torch) while the
-driver plans -> each rank reads its plan -> a `LoadedModel`. Whatever happens after
-the group exists, an error, a timeout or a KeyboardInterrupt, releases all of it.
+driver plans (or the caller's own actors, `actors=`) -> each rank reads its plan
+(`_read_ranks`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
+timeout or a KeyboardInterrupt, releases all of it. `reload` plans another checkpoint of the
+same layout and the same ranks read it, through the same step, into the shards they hold.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actor import RankInfo, RankLoader
-from .errors import ConfigurationError
+from .errors import ConfigurationError, LayoutMismatchError, NoShardsError
 from .group import RankGroup
 from .io.backends import NODE_BACKENDS, backend_for, check_backend
 from .io.common import ReadStats
@@ -46,6 +48,8 @@ class LoadedModel:
     stats: list[ReadStats]
     seconds: float
     _refs: dict = field(default_factory=dict, repr=False)
+    #: The rules the load planned with (reload plans with them too).
+    rules: RulesLike | None = None
 
     @property
     def tp(self) -> int:
@@ -61,7 +65,8 @@ class LoadedModel:
 
     @property
     def ranks(self) -> list[RankInfo]:
-        return self.group.ranks
+        """Where each rank runs now, asked of the actors (a rank Ray restarted shows its new process)."""
+        return self.group.refresh(self.options.timeout_s)
 
     def refs(self, transport: str | None = None) -> list:
         """Per rank, an ObjectRef resolving to {name: tensor}.
@@ -104,8 +109,35 @@ class LoadedModel:
             f"({format_bytes(read - needed)} beyond the needed)"
         )
 
+    def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> "LoadedModel":
+        """Read another checkpoint of the same layout into the shards the ranks hold: the same actors, the same
+        tensors (no allocation, every `data_ptr` unchanged), so whatever holds them sees the new weights.
+
+        Plans `model_dir` with the load's options and `rules` (default: the load's) from headers only; a
+        layout that differs from the loaded one on any rank (tensor names, shapes, dtypes) is a
+        LayoutMismatchError before any byte is written. A failure while the ranks read is one
+        RankFailedError; ranks that failed hold nothing valid (NoShardsError) until a load or reload
+        succeeds, and the others hold the new checkpoint. `plan`, `stats` and `seconds` describe the last
+        successful reload. The ranks are not released on failure; do not reload while `run` calls use the
+        shards. Returns self.
+        """
+        if not self.actors:
+            raise NoShardsError("this LoadedModel was released: raylazy.load again")
+        t0 = time.perf_counter()
+        rules = self.rules if rules is None else rules
+        plan = make_plan(model_dir, rules=rules, **dict(self.options.plan))
+        check_backend(self.options.reader.backend, plan.ranks)
+        check_same_layout(self.plan, plan)
+        self._refs = {}
+        self.group.refresh(self.options.timeout_s, "reload")  # a restarted rank may be on another node now
+        self.plan, self.stats = _read_ranks(self.group, plan, self.options, "reload")
+        self.rules, self.seconds = rules, time.perf_counter() - t0
+        log.info("%s", self.summary())
+        return self
+
     def release(self) -> None:
-        """Kill the rank actors and remove the placement group (idempotent)."""
+        """Kill the rank actors and remove the placement group (idempotent); actors given to `load(actors=)`
+        are not killed: they drop their shards."""
         self.group.release()
         self._refs = {}
 
@@ -125,6 +157,7 @@ def load(
     device: str = "auto",
     backend: str = "auto",
     actor_cls: type = RankLoader,
+    actors: list | None = None,
     **options: Any,
 ) -> LoadedModel:
     """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`
@@ -134,7 +167,9 @@ def load(
     rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
     page cache on CPUs, "cooperative"; stripes exchanged over NCCL on GPUs, "exchange"; a rank alone on its node
     reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
-    a subclass. Options (validated before anything starts, see `raylazy.options`; a ConfigurationError
+    a subclass. actors: instead, the caller's Ray actors (one per rank, rank r = actors[r]) whose class mixes in
+    `raylazy.RankMixin`: no placement group of raylazy's own (their placement is the caller's) and `release()`
+    only drops their shards (the placement options are then unused). Options (validated before anything starts, see `raylazy.options`; a ConfigurationError
     otherwise): preset, uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes,
     stripe_timeout_s, staging_budget, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
     autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
@@ -144,26 +179,60 @@ def load(
     place = opts.placement
     own_ray = ensure_ray()
     t0 = time.perf_counter()
-    bundles = rank_bundles(opts.plan.mesh.size, place, own_ray)
-    check_placeable(bundles, place.placement_strategy, place.autoscale)
-    group = RankGroup.create(bundles, place.device, place.placement_strategy, place.max_retries, actor_cls)
+    if actors is not None:
+        if actor_cls is not RankLoader:
+            raise ConfigurationError("give actors= (your own rank actors) or actor_cls= (the class raylazy starts), "
+                                     "not both")
+        if len(actors) != opts.plan.mesh.size:
+            raise ConfigurationError(f"actors= gives {len(actors)} actor(s) for {opts.plan.mesh.size} rank(s): "
+                                     "give one per rank")
+        group = RankGroup.adopt(actors, place.device, opts.timeout_s)
+    else:
+        bundles = rank_bundles(opts.plan.mesh.size, place, own_ray)
+        check_placeable(bundles, place.placement_strategy, place.autoscale)
+        group = RankGroup.create(bundles, place.device, place.placement_strategy, place.max_retries, actor_cls)
     try:
         plan = make_plan(model_dir, rules=rules, **dict(opts.plan))
         check_backend(opts.reader.backend, plan.ranks)
-        ranks = group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        nodes = group.nodes
-        readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
-        if any(r.backend in NODE_BACKENDS for r in readers):
-            plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
-        tasks = _node_tasks(group, plan, readers, opts.timeout_s)
-        loads = [a.load.remote(rp, reader, task) for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
-        stats = _wait_with_progress(group, loads, plan, opts)
+        group.wait_ready(place.placement_timeout_s, opts.timeout_s)
+        plan, stats = _read_ranks(group, plan, opts, "load")
     except BaseException:
         group.release()
         raise
-    loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0)
+    loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0, rules=rules)
     log.info("%s", loaded.summary())
     return loaded
+
+
+def _read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> tuple[Plan, list[ReadStats]]:
+    """Every rank reads its plan: each rank's backend chosen, the node schedules and tasks made, then
+    `method` ("load": new shards, "reload": into the shards held) called on every actor; returns the plan
+    (with its node schedules) and each rank's statistics."""
+    nodes = group.nodes
+    readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in group.ranks]
+    if any(r.backend in NODE_BACKENDS for r in readers):
+        plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
+    tasks = _node_tasks(group, plan, readers, opts.timeout_s)
+    calls = [getattr(a, method).remote(rp, reader, task)
+             for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
+    return plan, _wait_with_progress(group, calls, plan, opts)
+
+
+def check_same_layout(loaded: Plan, new: Plan) -> None:
+    """LayoutMismatchError unless every rank of `new` has the tensors of `loaded`'s rank, each with the same
+    shard shape and dtype (what reading into the loaded shards needs); names the first difference."""
+    if len(new.ranks) != len(loaded.ranks):
+        raise LayoutMismatchError(f"{new.root}: planned for {len(new.ranks)} ranks, the loaded model has "
+                                  f"{len(loaded.ranks)}: reload needs the same ranks; raylazy.load it instead")
+    for old_rank, new_rank in zip(loaded.ranks, new.ranks):
+        old = {t.name: f"{t.dtype} {list(t.shape)}" for t in old_rank.tensors}
+        got = {t.name: f"{t.dtype} {list(t.shape)}" for t in new_rank.tensors}
+        name = next((n for n in sorted(old.keys() | got.keys()) if old.get(n) != got.get(n)), None)
+        if name is not None:
+            raise LayoutMismatchError(
+                f"{new.root}: rank {new_rank.rank}'s tensor {name!r} is {got.get(name, 'absent')} in the new "
+                f"checkpoint but {old.get(name, 'absent')} in the loaded one (a reload needs the same tensor names, "
+                "shapes and dtypes on every rank): raylazy.load it instead")
 
 
 def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple = ()):
@@ -235,4 +304,4 @@ def _wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOpt
     return stats
 
 
-__all__ = ["load", "LoadedModel"]
+__all__ = ["load", "LoadedModel", "check_same_layout"]
