@@ -87,10 +87,9 @@ class RankGroup:
         """A group of the caller's actors, rank r being `actors[r]`: each must have `raylazy.RankMixin`'s methods;
         each is made rank r (`rank_init`) now, so the group is ready when this returns."""
         missing = sorted({m for a in actors for m in RANK_METHODS if not hasattr(a, m)})
-        if not actors or missing:
-            raise ConfigurationError(
-                f"actors= needs one Ray actor per rank whose class mixes in raylazy.RankMixin; "
-                + (f"these lack {', '.join(missing)}" if actors else "got none"))
+        if missing:
+            raise ConfigurationError(f"actors= needs Ray actors whose class mixes in raylazy.RankMixin; some lack "
+                                     f"{', '.join(missing)}")
         group = cls(f"raylazy-{uuid.uuid4().hex[:8]}", list(actors), None, owned=False)
         group.ranks = group.gather([a.rank_init.remote(r, device) for r, a in enumerate(actors)], timeout_s, "start")
         return group

@@ -169,8 +169,8 @@ def load(
     reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
     a subclass. actors: instead, the caller's Ray actors (one per rank, rank r = actors[r]) whose class mixes in
     `raylazy.RankMixin`: no placement group of raylazy's own (their placement is the caller's) and `release()`
-    only drops their shards (the placement options are then unused). Options (validated before anything starts, see `raylazy.options`; a ConfigurationError
-    otherwise): preset, uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes,
+    only drops their shards (the placement options are then unused). Options (validated before anything
+    starts, see `raylazy.options`; a ConfigurationError otherwise): preset, uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes,
     stripe_timeout_s, staging_budget, nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
     autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, progress.
     Uses the Ray this process has initialised, else the cluster RAY_ADDRESS names, else starts a local one.
