@@ -119,17 +119,19 @@ def test_layout_check_names_the_first_difference(llama_dir, llama_b, llama_f16, 
 
 
 @pytest.mark.ray
-def test_reload_fills_the_same_tensors_of_the_same_actors(llama_dir, llama_b, llama_c, llama_f16, ray_local):
+@pytest.mark.parametrize("backend,used", [("auto", "cooperative"), ("exchange", "exchange")])
+def test_reload_fills_the_same_tensors_of_the_same_actors(llama_dir, llama_b, llama_c, llama_f16, ray_local, backend,
+                                                          used):
     import ray
 
-    with load_with(Holder, llama_dir, 2, device="cpu", progress=False) as loaded:
+    with load_with(Holder, llama_dir, 2, device="cpu", progress=False, backend=backend) as loaded:
         check_loaded(loaded, llama_dir)
         ptrs = ray.get(loaded.run(pointers), timeout=60)
         pids = [i.pid for i in loaded.ranks]
         ray.get([a.hold.remote() for a in loaded.actors], timeout=60)
         for model_dir in (llama_b, llama_c, llama_dir):
             assert loaded.reload(model_dir) is loaded
-            assert loaded.plan.root == model_dir and {s.backend for s in loaded.stats} == {"cooperative"}
+            assert loaded.plan.root == model_dir and {s.backend for s in loaded.stats} == {used}
             check_loaded(loaded, model_dir)  # refs() and get() give the new weights, not the old copies
             assert ray.get(loaded.run(pointers), timeout=60) == ptrs, "a reload must not allocate"
             assert [i.pid for i in loaded.ranks] == pids
@@ -273,7 +275,7 @@ class Engine(raylazy.RankMixin):
 def test_load_into_the_callers_actors_and_reload_them(llama_dir, llama_b, ray_local):
     import ray
 
-    engine = ray.remote(num_cpus=0.5, max_concurrency=4)(Engine)
+    engine = ray.remote(num_cpus=0.5, max_concurrency=4, max_restarts=1, max_task_retries=1)(Engine)
     engines = [engine.remote(f"engine{r}") for r in range(2)]
     groups = set(raylazy_groups())
     try:
@@ -294,6 +296,10 @@ def test_load_into_the_callers_actors_and_reload_them(llama_dir, llama_b, ray_lo
         assert ray.get(loaded.run(pointers), timeout=60) == ptrs
         inside = ray.get(loaded.run(where_am_i), timeout=60)
         assert ray.get([e.model_digest.remote() for e in engines]) == [r["digest"] for r in inside]
+        # restarted by Ray (the caller's max_restarts), an engine reads its last plan at its first raylazy call
+        os.kill(inside[0]["pid"], signal.SIGKILL)
+        wait_for(lambda: loaded.ranks[0].pid != inside[0]["pid"], 60, "the restart")
+        check_loaded(loaded, llama_b)
         loaded.release()  # the engines live on, without shards
         assert ray.get([e.hello.remote() for e in engines], timeout=60) == ["engine0", "engine1"]
         with pytest.raises(NoShardsError, match="holds no shards"):
