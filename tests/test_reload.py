@@ -24,13 +24,12 @@ import raylazy
 from raylazy.actor import RankLoader
 from raylazy.errors import (ConfigurationError, LayoutMismatchError, NoShardsError, RankFailedError,
                             ReadError)
-from raylazy.io.common import ReadStats
 from raylazy.loader import check_same_layout
 from raylazy.options import ReaderOptions
 
 from checkpoints import build_checkpoint, reference_tensors
 from planlib import as_bytes, reference_shard
-from raytest import (assert_no_leaks, check_loaded, digest, live, load_with, raylazy_groups, wait_for,
+from raytest import (assert_no_leaks, check_loaded, check_rank, digest, live, load_with, raylazy_groups, wait_for,
                      where_am_i)
 
 try:  # classes and functions defined here travel to the actors by value
@@ -59,6 +58,19 @@ def llama_c(tmp_path_factory) -> str:
 def llama_f16(tmp_path_factory) -> str:
     """The llama in float16: the same names and shapes, another dtype."""
     return build_checkpoint("llama", tmp_path_factory.mktemp("llama_f16"), dtype=torch.float16)
+
+
+def restarted(loaded, rank: int, old_pid: int) -> None:
+    """Wait until `loaded.ranks` shows rank `rank` in a process other than `old_pid` (a call that reaches the
+    process while it dies may fail: asked again)."""
+
+    def new_pid() -> bool:
+        try:
+            return loaded.ranks[rank].pid != old_pid
+        except RankFailedError:
+            return False
+
+    wait_for(new_pid, 60, f"rank {rank} to restart")
 
 
 def pointers(rank: int, shards: dict) -> dict:
@@ -192,8 +204,6 @@ def test_a_reload_failing_part_way_leaves_the_rank_without_shards_until_it_succe
         with pytest.raises(NoShardsError):
             ray.get(loaded.actors[1].run.remote(where_am_i), timeout=60)
         assert loaded.plan.root == llama_dir  # the plan of the last successful read
-        from raytest import check_rank
-
         check_rank(raylazy.plan(llama_b, 2).ranks[0], ray.get(loaded.actors[0].shards.remote(), timeout=60), llama_b)
         loaded.reload(llama_b)  # the marker exists: no fault this time
         check_loaded(loaded, llama_b)
@@ -221,10 +231,7 @@ def test_a_rank_dying_mid_reload_fails_once_or_is_restarted(llama_dir, llama_b, 
                 loaded.reload(llama_b)
             assert list(info.value.failures) == [0] and time.monotonic() - t0 < 60
             assert "ActorDied" in type(info.value.failures[0]).__name__, repr(info.value.failures[0])
-            check_loaded_rank = ray.get(loaded.actors[1].shards.remote(), timeout=60)
-            from raytest import check_rank
-
-            check_rank(raylazy.plan(llama_b, 2).ranks[1], check_loaded_rank, llama_b)
+            check_rank(raylazy.plan(llama_b, 2).ranks[1], ray.get(loaded.actors[1].shards.remote(), timeout=60), llama_b)
         assert os.path.exists(fault["marker"])
     finally:
         loaded.release()
@@ -242,7 +249,7 @@ def test_a_rank_restarted_after_a_reload_reads_the_reloaded_plan_again(llama_dir
         loaded.reload(llama_b)
         first = ray.get(loaded.run(where_am_i), timeout=60)
         os.kill(first[1]["pid"], signal.SIGKILL)
-        wait_for(lambda: loaded.ranks[1].pid != first[1]["pid"], 60, "the restart")
+        restarted(loaded, 1, first[1]["pid"])
         again = ray.get(loaded.run(where_am_i), timeout=60)
         assert again[1]["pid"] == loaded.ranks[1].pid and again[0]["pid"] == first[0]["pid"]
         assert [r["digest"] for r in again] == [r["digest"] for r in first]
@@ -298,7 +305,7 @@ def test_load_into_the_callers_actors_and_reload_them(llama_dir, llama_b, ray_lo
         assert ray.get([e.model_digest.remote() for e in engines]) == [r["digest"] for r in inside]
         # restarted by Ray (the caller's max_restarts), an engine reads its last plan at its first raylazy call
         os.kill(inside[0]["pid"], signal.SIGKILL)
-        wait_for(lambda: loaded.ranks[0].pid != inside[0]["pid"], 60, "the restart")
+        restarted(loaded, 0, inside[0]["pid"])
         check_loaded(loaded, llama_b)
         loaded.release()  # the engines live on, without shards
         assert ray.get([e.hello.remote() for e in engines], timeout=60) == ["engine0", "engine1"]
