@@ -177,9 +177,9 @@ class TimedRankLoader(RankLoader):
         self.read_span = (start, time.time())
         return stats
 
-    def receive(self, source, plan, batch_bytes, transport="object_store"):
+    def receive(self, source, plan, options, transport="object_store"):
         start = time.time()
-        stats = super().receive(source, plan, batch_bytes, transport)
+        stats = super().receive(source, plan, options, transport)
         self.read_span = (start, time.time())
         return stats
 

@@ -6,10 +6,12 @@ Ray layer (`raylazy.loader`, `raylazy.actor`, `raylazy.placement`) places and
 drives one actor per rank.
 """
 
+from .actor import RankMixin
 from .checkpoint import Checkpoint, ModelConfig, open_checkpoint
 from .errors import RaylazyError, RankFailedError
 from .group import RankGroup
 from .header import FileHeader, TensorInfo, read_header
+from .io.backends import read_rank
 from .loader import LoadedModel, load
 from .mesh import Mesh
 from .placements import Expert, Fused, Heads, Placement, Replicated, Skip, Split
@@ -21,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "Expert", "FileHeader", "Fused", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
-    "Plan", "RankFailedError", "RankGroup", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip", "Split",
-    "TensorInfo", "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rules",
+    "Plan", "RankFailedError", "RankGroup", "RankMixin", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip",
+    "Split", "TensorInfo", "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rank",
+    "read_rules",
 ]

@@ -1,21 +1,37 @@
-"""The rank actor: a plain class that Ray wraps with `ray.remote` when the load creates it.
+"""What makes a Ray actor a rank: `RankMixin` (the methods raylazy calls) and `RankLoader`, raylazy's own rank actor.
 
-One instance per tensor-parallel rank. It imports torch when constructed (so the
-driver can plan while actors start), reads its RankPlan onto its device with the
-chosen backend, and keeps the shards resident for `shards()` and `run()`.
+Any actor class that mixes in `RankMixin` can be a rank (`raylazy.load(..., actors=[...])`):
+raylazy calls `rank_init` once, then `load` (new shards) or `reload` (the same shard
+tensors filled in place), and the caller works on the shards with `shards()` and `run()`.
+`RankLoader` is the mixin plus a constructor, the class `raylazy.load` starts (Ray wraps it
+with `ray.remote` at creation); it imports torch when constructed, so the driver plans while
+actors start.
+
+A rank's last completed read, its (RankPlan, ReaderOptions), is kept in Ray's internal KV
+under the actor's id (which survives restarts), so an actor that Ray restarts after its
+process died reads its plan again by itself (alone, with the ranged backend for node
+backends: its node's peers are not reading with it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import socket
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import NoShardsError
 from .io.common import Counter, ReadStats
 from .options import ReaderOptions
 from .plans import RankPlan
+
+log = logging.getLogger("raylazy")
+
+#: Namespace of raylazy's entries in Ray's internal KV.
+KV_NAMESPACE = "raylazy"
 
 
 @dataclass(frozen=True)
@@ -41,31 +57,78 @@ def resolve_device(requested: str, gpu_ids) -> str:
     return "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the GPU(s) it assigned
 
 
-class RankLoader:
-    """Loads and holds one rank's shards."""
+def rank_key(actor_id: str) -> bytes:
+    """The KV key of the last completed read of the actor with this id (hex)."""
+    return f"rank/{actor_id}".encode()
 
-    def __init__(self, rank: int, device: str = "auto"):
+
+def forget_rank(actor_id: str) -> None:
+    """Drop an actor's entry from the KV (after a release its restart must not read again)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(rank_key(actor_id), namespace=KV_NAMESPACE)
+
+
+def _own_actor_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+
+
+@dataclass
+class _RankState:
+    """A rank's state inside its actor: the one attribute (`_raylazy`) the mixin adds to an instance."""
+
+    info: RankInfo
+    #: The shard tensors of the last load, kept (and refilled by reload) whether valid or not.
+    shards: dict | None = None
+    #: Whether `shards` hold a completed read (False from the moment a read may write into them).
+    valid: bool = False
+    progress: Counter = field(default_factory=Counter)  # added to by the reader threads
+    #: Batches of shards that arrived over a direct transport for `receive`, by key.
+    landed: dict = field(default_factory=dict)
+
+
+_RECOVERING = threading.Lock()
+
+
+class RankMixin:
+    """The methods raylazy calls on a rank actor; mix it into any Ray actor class to make it a rank.
+
+    `rank_init(rank, device)` (called by `raylazy.load(..., actors=[...])`), `info()`, `progress()`,
+    `exchange_address()`, `load(plan, options, node=None)`, `reload(plan, options, node=None)`, `shards()`,
+    `run(fn, *args)`, `release()`. The instance gets one attribute, `_raylazy`. Create the actor with
+    `max_concurrency` >= 2 (so `progress()` answers while `load()` runs) and `enable_tensor_transport=True`
+    for direct transports in `LoadedModel.refs`.
+    """
+
+    _raylazy: _RankState | None = None
+
+    def rank_init(self, rank: int, device: str = "auto") -> RankInfo:
+        """Become rank `rank`, loading to `device` ("auto": the GPU Ray gave this actor, else the CPU); holds nothing yet."""
         import ray
-        import torch  # noqa: F401  (the slow import happens here, while the driver plans)
 
         gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
-        self.info_ = RankInfo(
+        self._raylazy = _RankState(RankInfo(
             rank=rank,
             node_id=ray.get_runtime_context().get_node_id(),
             hostname=socket.gethostname(),
             pid=os.getpid(),
             gpu_ids=gpu_ids,
             device=resolve_device(device, gpu_ids),
-        )
-        self._shards: dict | None = None
-        self._progress = Counter()  # added to by the reader threads
+        ))
+        return self._raylazy.info
+
+    @property
+    def info_(self) -> RankInfo:
+        return self._rank().info
 
     def info(self) -> RankInfo:
-        return self.info_
+        return self._rank().info
 
     def progress(self) -> int:
-        """Bytes of shard data loaded so far by the current load."""
-        return self._progress.value
+        """Bytes of shard data read so far by the current load or reload."""
+        return self._rank().progress.value
 
     def exchange_address(self) -> str:
         """`host:port` on this rank's node where its node's ranks can meet for an exchanged load
@@ -77,36 +140,33 @@ class RankLoader:
         return node_address(ray.util.get_node_ip_address())
 
     def load(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
-        """Read this rank's shards onto its device; `node` (a `raylazy.schedule.NodeTask` or a
-        `raylazy.io.coop_exchange.ExchangeTask`) is what a node backend needs to read with the other ranks
-        of the node. On failure nothing is kept."""
-        self._shards, self._progress = None, Counter()
-        from .io.backends import backend_for, get_backend
+        """Read this rank's shards into new tensors on its device (the old ones are dropped first); `node` (a
+        `raylazy.schedule.NodeTask` or a `raylazy.io.coop_exchange.ExchangeTask`) is what a node backend needs
+        to read with the other ranks of the node. On failure nothing is kept."""
+        return self._read(plan, options, node, in_place=False)
 
-        # the driver resolves "auto" per rank; a caller without a node task reads alone
-        backend = (options.backend if node is not None
-                   else backend_for(options.backend, 1, self.info_.device, plan.files))
-        shards, stats = get_backend(backend).read(plan, self.info_.device, options=options,
-                                                  on_progress=self._progress.add,
-                                                  **({"node": node} if node is not None else {}))
-        self._shards = shards
-        return stats
+    def reload(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
+        """Read `plan` into the tensors this rank already holds (same objects, same memory); a rank holding
+        none (a restarted process) allocates them. A plan whose shards do not fit them is a BufferMismatchError
+        before anything is written. On a failure after that the rank holds nothing valid (NoShardsError)."""
+        return self._read(plan, options, node, in_place=True)
 
-    def receive(self, source, plan: RankPlan, batch_bytes: int, transport: str = "object_store") -> ReadStats:
+    def receive(self, source, plan: RankPlan, options: ReaderOptions, transport: str = "object_store") -> ReadStats:
         """Copy this rank's shards from `source`, the rank actor with the same stage and tp rank in a live replica
-        (`raylazy.peers`), instead of reading storage. On failure (a PeerFailedError) nothing is kept."""
-        self._shards, self._progress = None, Counter()
+        (`raylazy.peers`, in batches of `options.staging_budget` bytes), instead of reading storage. On failure
+        (a PeerFailedError) nothing is kept; restarted later, the rank reads `plan` from storage with `options`."""
         from .peers import receive_shards
 
-        self._landed: dict = {}
-        shards, stats = receive_shards(source, plan, self.info_.device, batch_bytes, transport, self._progress.add,
-                                       self._landed)
-        self._shards = shards
+        state = self._begin(in_place=False)
+        state.landed = {}
+        shards, stats = receive_shards(source, plan, state.info.device, options.staging_budget, transport,
+                                       state.progress.add, state.landed)
+        self._hold(state, shards, plan, options)
         return stats
 
     def land(self, key: int, shards: dict) -> None:
         """A batch of shards arriving over a direct transport for `receive` (Ray delivers them as this argument)."""
-        self._landed[key] = shards
+        self._rank().landed[key] = shards
 
     def peer_shards(self, names: list[str]) -> dict:
         """The shards named, for a rank copying them (`receive`): through the object store or a direct transport."""
@@ -115,20 +175,103 @@ class RankLoader:
 
     def shards(self) -> dict:
         """This rank's {name: tensor}; returned through the object store or a direct tensor transport."""
-        if self._shards is None:
+        state = self._rank()
+        if not state.valid:
             raise NoShardsError(
-                f"rank {self.info_.rank} holds no shards (not loaded, failed, released, or its process was "
-                "restarted after the load): load again"
+                f"rank {state.info.rank} holds no shards (not loaded, a load or reload failed part-way, released, or "
+                "its process was restarted and could not read its plan again): load or reload again"
             )
-        return self._shards
+        return state.shards
 
     def run(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """Call fn(rank, shards, *args, **kwargs) here, next to the shards, and return its result."""
-        return fn(self.info_.rank, self.shards(), *args, **kwargs)
+        return fn(self._rank().info.rank, self.shards(), *args, **kwargs)
 
     def release(self) -> None:
-        self._shards = None
-        if self.info_.device.startswith("cuda"):
+        """Drop the shards (the actor lives on); a later restart of this actor does not read them again."""
+        state, actor_id = self._raylazy, _own_actor_id()
+        if actor_id:
+            forget_rank(actor_id)
+        if state is None:
+            return
+        state.shards, state.valid = None, False
+        if state.info.device.startswith("cuda"):
             import torch
 
             torch.cuda.empty_cache()
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _rank(self) -> _RankState:
+        """This rank's state; in an actor Ray restarted (its state gone), first read its last plan again."""
+        if self._raylazy is None:
+            with _RECOVERING:
+                if self._raylazy is None and not self._recover():
+                    raise NoShardsError("this actor is not a raylazy rank: raylazy.load(model, tp, actors=[...]) "
+                                        "makes it one (rank_init)")
+        return self._raylazy
+
+    def _read(self, plan: RankPlan, options: ReaderOptions, node, in_place: bool) -> ReadStats:
+        import torch
+
+        from .io.backends import read_rank
+        from .io.common import check_buffers
+
+        state = self._rank()
+        out = state.shards if in_place else None
+        if out is not None:  # a mismatch leaves the shards as they were
+            check_buffers(plan, torch.device(state.info.device), out)
+        state = self._begin(in_place)
+        shards, stats = read_rank(plan, state.info.device, options=options, node=node,
+                                  on_progress=state.progress.add, out=out)
+        self._hold(state, shards, plan, options)
+        return stats
+
+    def _begin(self, in_place: bool) -> _RankState:
+        """From here the shards may be written: nothing is valid (nor read again on a restart) until `_hold`."""
+        state = self._rank()
+        state.valid, state.progress = False, Counter()
+        actor_id = _own_actor_id()
+        if actor_id:
+            forget_rank(actor_id)
+        if not in_place:
+            state.shards = None  # free the old shards before allocating new ones
+        return state
+
+    def _hold(self, state: _RankState, shards: dict, plan: RankPlan, options: ReaderOptions) -> None:
+        """A completed read: keep the shards, and the plan in Ray's KV so that a restarted process reads it again."""
+        state.shards, state.valid = shards, True
+        actor_id = _own_actor_id()
+        if actor_id:
+            from ray.experimental.internal_kv import _internal_kv_put
+
+            _internal_kv_put(rank_key(actor_id), pickle.dumps((state.info.rank, state.info.device, plan, options)),
+                             overwrite=True, namespace=KV_NAMESPACE)
+
+    def _recover(self) -> bool:
+        """If the KV holds this actor's last completed read (its process died and Ray restarted it), become
+        that rank again and read the plan alone; returns whether it did. A failed read leaves no shards."""
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        actor_id = _own_actor_id()
+        entry = _internal_kv_get(rank_key(actor_id), namespace=KV_NAMESPACE) if actor_id else None
+        if entry is None:
+            return False
+        rank, device, plan, options = pickle.loads(entry)
+        self.rank_init(rank, device)
+        try:
+            self._read(plan, options, None, in_place=False)
+        except Exception as e:  # noqa: BLE001  (the rank then holds no shards: shards() says so)
+            log.warning("raylazy: rank %d restarted but could not read its plan again: %s", rank, e)
+        return True
+
+
+class RankLoader(RankMixin):
+    """raylazy's rank actor: `RankMixin` with a constructor that imports torch and becomes rank `rank` (or,
+    restarted by Ray after a completed read, reads that plan again)."""
+
+    def __init__(self, rank: int, device: str = "auto"):
+        import torch  # noqa: F401  (the slow import happens here, while the driver plans)
+
+        if not self._recover():
+            self.rank_init(rank, device)

@@ -220,6 +220,10 @@ class BufferMismatchError(ConfigurationError):
     """A caller-supplied destination tensor does not match its shard (shape, dtype, device, layout)."""
 
 
+class LayoutMismatchError(ConfigurationError):
+    """A checkpoint given to `LoadedModel.reload` whose rank shards differ from those loaded (names, shapes, dtypes)."""
+
+
 class PlacementError(RaylazyError):
     """The cluster cannot place the rank actors (not enough GPUs, timed out)."""
 

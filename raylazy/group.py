@@ -1,20 +1,25 @@
-"""A rank group: its placement group(s) and one actor per rank, their lifecycle, and calls gathered by rank.
+"""A rank group: the rank actors (with the placement group(s) raylazy made for them, or the caller's own
+actors), their lifecycle, and calls gathered by rank.
 
-The group is created before planning, so its actors start (import torch) while the
-driver reads headers. Every failure of a call over the group becomes one
-`RankFailedError` keyed by rank. `release()` kills the actors and removes the
-placement groups, on every path. Ranks are placed as one placement group, or one per
-pipeline stage (a placement group has one strategy: each stage is packed on its own).
+raylazy's own group is created before planning, so its actors start (import torch) while the
+driver reads headers. Ranks are placed as one placement group, or one per pipeline stage (a
+placement group has one strategy: each stage is packed on its own). Every failure of a call over
+the group becomes one `RankFailedError` keyed by rank. `release()` removes the placement groups
+and kills the actors raylazy started, on every path (a second interrupt during it included); the
+caller's actors only drop their shards.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .actor import RankInfo, RankLoader
+from .actor import RankInfo, RankLoader, forget_rank
 from .errors import ConfigurationError, PlacementError, RankFailedError
 from .placement import describe_resources
 from .schedule import NodeGroups, group_by_node
@@ -23,12 +28,17 @@ from .schedule import NodeGroups, group_by_node
 @dataclass
 class RankGroup:
     """The actors of one load, the ranks in order over the bundles of `placement_groups` (one, or one per
-    pipeline stage); `ranks` once they are ready."""
+    pipeline stage); `ranks` once they are ready.
+
+    `owned`: raylazy created the actors (and the placement groups) and kills them on release; a group of the
+    caller's actors (`adopt`) has no placement group and its release only drops their shards.
+    """
 
     name: str
     actors: list
     placement_groups: list
     ranks: list[RankInfo] = field(default_factory=list)
+    owned: bool = True
 
     @property
     def placement_group(self):
@@ -89,6 +99,23 @@ class RankGroup:
             raise
         return cls(name, actors, pgs)
 
+    @classmethod
+    def adopt(cls, actors: list, device: str = "auto", timeout_s: float = 300.0) -> "RankGroup":
+        """A group of the caller's actors, rank r being `actors[r]`: each must have `raylazy.RankMixin`'s methods;
+        each is made rank r (`rank_init`) now, so the group is ready when this returns."""
+        missing = sorted({m for a in actors for m in RANK_METHODS if not hasattr(a, m)})
+        if missing:
+            raise ConfigurationError(f"actors= needs Ray actors whose class mixes in raylazy.RankMixin; some lack "
+                                     f"{', '.join(missing)}")
+        group = cls(f"raylazy-{uuid.uuid4().hex[:8]}", list(actors), [], owned=False)
+        group.ranks = group.gather([a.rank_init.remote(r, device) for r, a in enumerate(actors)], timeout_s, "start")
+        return group
+
+    def refresh(self, timeout_s: float = 300.0, what: str = "info") -> list[RankInfo]:
+        """Ask every actor where it runs now (a restarted rank has a new process, maybe on another node)."""
+        self.ranks = self.gather([a.info.remote() for a in self.actors], timeout_s, what) if self.actors else []
+        return self.ranks
+
     @property
     def size(self) -> int:
         return len(self.actors)
@@ -102,9 +129,9 @@ class RankGroup:
         """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""
         import ray
 
-        ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=len(self.placement_groups),
-                            timeout=placement_timeout_s)
-        if len(ready) < len(self.placement_groups):
+        pgs = self.placement_groups  # none for the caller's own actors
+        ready = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=placement_timeout_s)[0] if pgs else []
+        if len(ready) < len(pgs):
             bundle = self.placement_group.bundle_specs[0] if self.placement_group.bundle_specs else {}
             raise PlacementError(
                 f"could not place {self.size} rank(s) ({describe_resources(bundle)} each) within "
@@ -112,8 +139,7 @@ class RankGroup:
                 f"and {describe_resources(ray.available_resources())} free. Add nodes, lower tp, or pass "
                 "use_gpu=False / a smaller cpus_per_rank"
             )
-        self.ranks = self.gather([a.info.remote() for a in self.actors], timeout_s, "start")
-        return self.ranks
+        return self.refresh(timeout_s, "start")
 
     def gather(self, refs: list, timeout_s: float, what: str, grace_s: float = 2.0) -> list:
         """ray.get every rank's ref; failures (or a timeout) become one RankFailedError keyed by rank.
@@ -158,21 +184,49 @@ class RankGroup:
         return ""
 
     def release(self) -> None:
-        """Kill the actors and remove the placement group (idempotent; errors of what is already gone ignored)."""
+        """Remove the placement group, then kill the actors raylazy started (the caller's actors only drop their
+        shards); idempotent, errors of what is already gone ignored. A Ctrl-C (SIGINT) arriving meanwhile is
+        held until the release is done, then raised."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001  (already dead)
-                pass
-        for pg in self.placement_groups:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001  (already removed)
-                pass
-        self.actors, self.placement_groups, self.ranks = [], [], []
+        with _sigint_deferred():
+            for pg in self.placement_groups:  # first: removing them also ends the actors in them
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # noqa: BLE001  (already removed)
+                    pass
+            for a in self.actors:
+                try:
+                    if self.owned:
+                        ray.kill(a, no_restart=True)
+                    else:
+                        a.release.remote()
+                    forget_rank(a._actor_id.hex())
+                except Exception:  # noqa: BLE001  (already dead)
+                    pass
+            self.actors, self.placement_groups, self.ranks = [], [], []
+
+
+#: The methods raylazy calls on a rank actor (`raylazy.RankMixin` has them all).
+RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release")
+
+
+@contextmanager
+def _sigint_deferred():
+    """Hold SIGINT (Ctrl-C) while the block runs and raise KeyboardInterrupt after it if one came; outside the
+    main thread (where signal handlers cannot be set) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _cause(e: Exception) -> BaseException:

@@ -1,9 +1,11 @@
-"""`raylazy.load`: plan on the driver, one Ray actor per rank reads its ranges, refs come back.
+"""`raylazy.load`: plan on the driver, one Ray actor per rank reads its ranges, refs come back; `LoadedModel.reload`.
 
 A thin composition: options -> Ray (joined or started) -> bundles checked against the
 cluster -> a `RankGroup` created first, so its actors start (import torch) while the
-driver plans -> each rank reads its plan -> a `LoadedModel`. Whatever happens after
-the group exists, an error, a timeout or a KeyboardInterrupt, releases all of it.
+driver plans (or the caller's own actors, `actors=`) -> each rank reads its plan
+(`_read_ranks`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
+timeout or a KeyboardInterrupt, releases all of it. `reload` plans another checkpoint of the
+same layout and the same ranks read it, through the same step, into the shards they hold.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actor import RankInfo, RankLoader
-from .errors import ConfigurationError, PeerFailedError, RankFailedError
+from .errors import ConfigurationError, LayoutMismatchError, NoShardsError, PeerFailedError, RankFailedError
 from .group import RankGroup, _cause
 from .io.backends import NODE_BACKENDS, backend_for, check_backend
 from .io.common import ReadStats
@@ -47,6 +49,8 @@ class LoadedModel:
     stats: list[ReadStats]
     seconds: float
     _refs: dict = field(default_factory=dict, repr=False)
+    #: The rules the load planned with (reload plans with them too).
+    rules: RulesLike | None = None
 
     @property
     def tp(self) -> int:
@@ -67,7 +71,8 @@ class LoadedModel:
 
     @property
     def ranks(self) -> list[RankInfo]:
-        return self.group.ranks
+        """Where each rank runs now, asked of the actors (a rank Ray restarted shows its new process)."""
+        return self.group.refresh(self.options.timeout_s)
 
     @property
     def mesh(self) -> list[Coord]:
@@ -119,8 +124,36 @@ class LoadedModel:
             f"({format_bytes(read - read_needed)} beyond the needed), {format_bytes(from_replica)} copied from live replicas"
         )
 
+    def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> "LoadedModel":
+        """Read another checkpoint of the same layout into the shards the ranks hold: the same actors, the same
+        tensors (no allocation, every `data_ptr` unchanged), so whatever holds them sees the new weights.
+
+        Plans `model_dir` with the load's options and `rules` (default: the load's) from headers only; a
+        layout that differs from the loaded one on any rank (tensor names, shapes, dtypes) is a
+        LayoutMismatchError before any byte is written. A failure while the ranks read is one
+        RankFailedError; ranks that failed hold nothing valid (NoShardsError) until a load or reload
+        succeeds, and the others hold the new checkpoint. `plan`, `stats` and `seconds` describe the last
+        successful reload. The ranks are not released on failure; do not reload while `run` calls use the
+        shards. Returns self.
+        """
+        if not self.actors:
+            raise NoShardsError("this LoadedModel was released: raylazy.load again")
+        t0 = time.perf_counter()
+        rules = self.rules if rules is None else rules
+        plan = make_plan(model_dir, rules=rules, storage_options=self.options.reader.storage_options,
+                         **dict(self.options.plan))
+        check_backend(self.options.reader.backend, plan.ranks)
+        check_same_layout(self.plan, plan)
+        self._refs = {}
+        self.group.refresh(self.options.timeout_s, "reload")  # a restarted rank may be on another node now
+        self.plan, self.stats = _read_ranks(self.group, plan, self.options, "reload")
+        self.rules, self.seconds = rules, time.perf_counter() - t0
+        log.info("%s", self.summary())
+        return self
+
     def release(self) -> None:
-        """Kill the rank actors and remove the placement group (idempotent)."""
+        """Kill the rank actors and remove the placement group (idempotent); actors given to `load(actors=)`
+        are not killed: they drop their shards."""
         self.group.release()
         self._refs = {}
 
@@ -145,6 +178,7 @@ def load(
     device: str = "auto",
     backend: str = "auto",
     actor_cls: type = RankLoader,
+    actors: list | None = None,
     **options: Any,
 ) -> LoadedModel:
     """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`
@@ -157,7 +191,9 @@ def load(
     rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
     page cache on CPUs, "cooperative"; stripes exchanged over NCCL on GPUs, "exchange"; a rank alone on its node
     reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
-    a subclass.
+    a subclass. actors: instead, the caller's Ray actors (one per rank, rank r = actors[r]) whose class mixes in
+    `raylazy.RankMixin`: no placement group of raylazy's own (their placement is the caller's) and `release()`
+    only drops their shards (the placement options are then unused).
 
     replicas: copies of the tp group (`mesh[g].replica`); replica 0's ranks read from storage, the others copy
     their shards from them (`raylazy.peers`). source: a live LoadedModel to copy every shard from (rank by rank,
@@ -176,11 +212,20 @@ def load(
     place, mesh = opts.placement, opts.plan.mesh
     own_ray = ensure_ray()
     t0 = time.perf_counter()
-    bundles = rank_bundles(mesh.size, place, own_ray)
-    groups = mesh.size // mesh.tp if mesh.pp > 1 else 1  # with stages, a placement group per stage (of each replica)
-    strategy = stage_strategy(bundles, place, groups)
-    check_placeable(bundles, strategy, place.autoscale, groups)
-    group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
+    if actors is not None:
+        if actor_cls is not RankLoader:
+            raise ConfigurationError("give actors= (your own rank actors) or actor_cls= (the class raylazy starts), "
+                                     "not both")
+        if len(actors) != mesh.size:
+            raise ConfigurationError(f"actors= gives {len(actors)} actor(s) for {mesh.size} rank(s): "
+                                     "give one per rank")
+        group = RankGroup.adopt(actors, place.device, opts.timeout_s)
+    else:
+        bundles = rank_bundles(mesh.size, place, own_ray)
+        groups = mesh.size // mesh.tp if mesh.pp > 1 else 1  # with stages, a placement group per stage (of each replica)
+        strategy = stage_strategy(bundles, place, groups)
+        check_placeable(bundles, strategy, place.autoscale, groups)
+        group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
     try:
         plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
                 else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
@@ -188,13 +233,14 @@ def load(
         group.wait_ready(place.placement_timeout_s, opts.timeout_s)
         read = []
         if source is None:  # replica 0 reads from storage; its node schedules (if any) are the load's
-            scheduled, read = _read(group, plan.model_copy(update={"ranks": plan.ranks[: plan.mesh.size // plan.mesh.dp]}), opts)
+            scheduled, read = _read_ranks(group, plan.model_copy(update={"ranks": plan.ranks[: mesh.size // mesh.dp]}),
+                                          opts, "load")
             plan = plan.model_copy(update={"nodes": scheduled.nodes})
         stats = _receive(group, plan, opts, source, read)
     except BaseException:
         group.release()
         raise
-    loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0)
+    loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0, rules=rules)
     log.info("%s", loaded.summary())
     return loaded
 
@@ -227,17 +273,19 @@ def _replicated(model_dir, tp, pp, mesh, rules, replicas: int, source: LoadedMod
     return None, None, Mesh(**{**base.shape, "dp": replicas})
 
 
-def _read(group: RankGroup, plan: Plan, opts: LoadOptions) -> tuple[Plan, list[ReadStats]]:
-    """The ranks of `plan` (the group's first ranks) read their shards from storage; returns the plan as read
-    (with its node schedules, for node backends) and their ReadStats."""
+def _read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> tuple[Plan, list[ReadStats]]:
+    """The ranks of `plan` (the group's first ranks) read their shards from storage: each rank's backend chosen,
+    the node schedules and tasks made, then `method` ("load": new shards, "reload": into the shards held) called
+    on each; returns the plan as read (with its node schedules, for node backends) and their ReadStats."""
     ranks = group.ranks[: len(plan.ranks)]
     nodes = group_by_node([r.node_id for r in ranks])
     readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
     if any(r.backend in NODE_BACKENDS for r in readers):
         plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
     tasks = _node_tasks(group, plan, readers, opts.timeout_s)
-    loads = [a.load.remote(rp, reader, task) for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
-    return plan, _wait_with_progress(group, loads, plan, opts)
+    calls = [getattr(a, method).remote(rp, reader, task)
+             for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
+    return plan, _wait_with_progress(group, calls, plan, opts)
 
 
 def _receive(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,
@@ -258,7 +306,7 @@ def _receive(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedMode
     transport = peer_transport(opts.peer_transport, "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
     deadline = time.monotonic() + opts.timeout_s
     stats, failed = dict(enumerate(read)), {}
-    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader.staging_budget, transport)
+    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport)
             for r, s in zip(ranks, feeds)}
     for r, ref in refs.items():
         try:
@@ -290,6 +338,23 @@ def _read_instead(group: RankGroup, plan: Plan, opts: LoadOptions, ranks: list[i
             f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}): load "
             "again from another live replica, or from storage once the checkpoint is reachable") from e
     return dict(zip(ranks, stats))
+
+
+def check_same_layout(loaded: Plan, new: Plan) -> None:
+    """LayoutMismatchError unless every rank of `new` has the tensors of `loaded`'s rank, each with the same
+    shard shape and dtype (what reading into the loaded shards needs); names the first difference."""
+    if len(new.ranks) != len(loaded.ranks):
+        raise LayoutMismatchError(f"{new.root}: planned for {len(new.ranks)} ranks, the loaded model has "
+                                  f"{len(loaded.ranks)}: reload needs the same ranks; raylazy.load it instead")
+    for old_rank, new_rank in zip(loaded.ranks, new.ranks):
+        old = {t.name: f"{t.dtype} {list(t.shape)}" for t in old_rank.tensors}
+        got = {t.name: f"{t.dtype} {list(t.shape)}" for t in new_rank.tensors}
+        name = next((n for n in sorted(old.keys() | got.keys()) if old.get(n) != got.get(n)), None)
+        if name is not None:
+            raise LayoutMismatchError(
+                f"{new.root}: rank {new_rank.rank}'s tensor {name!r} is {got.get(name, 'absent')} in the new "
+                f"checkpoint but {old.get(name, 'absent')} in the loaded one (a reload needs the same tensor names, "
+                "shapes and dtypes on every rank): raylazy.load it instead")
 
 
 def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple = ()):
@@ -361,4 +426,4 @@ def _wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOpt
     return stats
 
 
-__all__ = ["load", "LoadedModel"]
+__all__ = ["load", "LoadedModel", "check_same_layout"]

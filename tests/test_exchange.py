@@ -208,21 +208,18 @@ def test_rank_actors_meet_at_the_address_one_of_them_gives(llama_dir, ray_local)
     import ray
 
     from raylazy.actor import RankLoader
+    from raylazy.options import ReaderOptions
     from raytest import check_rank
 
-    class ExchangeLoader(RankLoader):  # what the loader's wiring will do: read with the exchange, keep the shards
-        def load_exchanged(self, plan, task):
-            self._shards, stats = read_rank_exchanged(plan, self.info_.device, node=task)
-            return stats
-
     plan = raylazy.plan(llama_dir, 2)
-    actors = [ray.remote(num_cpus=0)(ExchangeLoader).remote(r, "cpu") for r in range(2)]
+    actors = [ray.remote(num_cpus=0)(RankLoader).remote(r, "cpu") for r in range(2)]
     try:
         address = ray.get(actors[0].exchange_address.remote(), timeout=120)
         host, port = address.rsplit(":", 1)
         assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
         task = ExchangeTask.of(plan, node_schedule(plan, range(2), "node", 16384), address)
-        stats = ray.get([a.load_exchanged.remote(plan.ranks[r], task) for r, a in enumerate(actors)], timeout=120)
+        exchange = ReaderOptions(backend="exchange")
+        stats = ray.get([a.load.remote(plan.ranks[r], exchange, task) for r, a in enumerate(actors)], timeout=120)
         assert sum(s.bytes_read for s in stats) == task.schedule.nbytes and all(s.bytes_received for s in stats)
         for r, a in enumerate(actors):
             check_rank(plan.ranks[r], ray.get(a.shards.remote()), llama_dir)

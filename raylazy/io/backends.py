@@ -1,13 +1,16 @@
-"""The registry of rank readers: each backend's read function and the driver-side check of what it can read."""
+"""The registry of rank readers (each backend's read function and the driver-side check of what it can read), the
+backend each rank uses, and `read_rank`: one rank's plan executed in any process with its backend."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from ..errors import ConfigurationError
+from ..options import ReaderOptions
 from ..plans import FileRef, RankPlan
 from ..storage import local_path
+from .common import Progress, ReadStats
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,39 @@ def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) 
     return name
 
 
+def read_rank(
+    plan: RankPlan,
+    device: str = "cpu",
+    *,
+    options: ReaderOptions = ReaderOptions(),
+    node=None,
+    on_progress: Progress | None = None,
+    out: Mapping | None = None,
+) -> tuple[dict, ReadStats]:
+    """Execute one rank's plan in this process (no Ray needed): ({name: tensor} on `device`, its ReadStats).
+
+    `options.backend` picks the reader. With `node` (the `raylazy.schedule.NodeTask` or
+    `raylazy.io.coop_exchange.ExchangeTask` the driver made for the rank's node) it is the backend the driver
+    chose; without, the rank reads alone: "auto" and the node backends read "ranged". `out` ({name: tensor}):
+    shards filled in place and returned as the same tensors (see `raylazy.io.common.shard_buffers`:
+    BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
+    bytes land. Raises on any failure; a shard of `out` may then be partly overwritten.
+    """
+    backend = options.backend
+    if node is None:
+        backend = backend_for(backend, 1, device, plan.files)
+        backend = "ranged" if backend in NODE_BACKENDS else backend
+    return get_backend(backend).read(plan, device, options=options, on_progress=on_progress, out=out,
+                                     **({"node": node} if node is not None else {}))
+
+
 def _register_builtin() -> None:
     from .coop import read_rank_cooperative
     from .coop_exchange import read_rank_exchanged
     from .fst import check_fastsafetensors, read_rank_fastsafetensors
-    from .ranged import read_rank
+    from .ranged import read_rank as read_ranged
 
-    register_backend(Backend("ranged", read_rank))
+    register_backend(Backend("ranged", read_ranged))
     register_backend(Backend("cooperative", read_rank_cooperative))
     register_backend(Backend("exchange", read_rank_exchanged))
     register_backend(Backend("fastsafetensors", read_rank_fastsafetensors, check_fastsafetensors))

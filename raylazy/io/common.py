@@ -132,13 +132,7 @@ def shard_buffers(torch, plan: RankPlan, dev, out: Mapping | None) -> list[tuple
     covers) is zeroed either way.
     """
     out = dict(out or {})
-    unknown = sorted(set(out) - {t.name for t in plan.tensors})
-    if unknown:
-        raise BufferMismatchError(f"out names {len(unknown)} tensor(s) rank {plan.rank}'s plan does not hold, "
-                                  f"e.g. {unknown[:3]}: pass only the plan's tensors")
-    for t in plan.tensors:
-        if t.name in out:
-            _check_buffer(t, out[t.name], dev)
+    check_buffers(plan, dev, out)
     buffers = []
     for t in plan.tensors:
         padded = t.bytes_needed < t.nbytes
@@ -152,6 +146,18 @@ def shard_buffers(torch, plan: RankPlan, dev, out: Mapping | None) -> list[tuple
             flat.zero_()
         buffers.append((flat, given))
     return buffers
+
+
+def check_buffers(plan: RankPlan, dev, out: Mapping) -> None:
+    """BufferMismatchError unless every tensor of `out` is one of `plan`'s shards, with its dtype and shape,
+    contiguous and on `dev` (a torch.device)."""
+    unknown = sorted(set(out) - {t.name for t in plan.tensors})
+    if unknown:
+        raise BufferMismatchError(f"out names {len(unknown)} tensor(s) rank {plan.rank}'s plan does not hold, "
+                                  f"e.g. {unknown[:3]}: pass only the plan's tensors")
+    for t in plan.tensors:
+        if t.name in out:
+            _check_buffer(t, out[t.name], dev)
 
 
 def _check_buffer(shard: TensorShard, given, dev) -> None:
