@@ -175,3 +175,31 @@ def test_a_rank_fed_another_ranks_bytes_fails_the_weight_check(engines, model):
         assert any(kind in n for n in wrong), (kind, wrong)
     assert not any("norm" in n for n in wrong)  # replicated tensors have no neighbour
     assert peer[1] == ref[1]
+
+
+def test_the_entry_point_registers_the_format_and_bad_options_are_named(vllm_python):
+    """vLLM's own plugin loading finds the entry point; a bad model_loader_extra_config is a ConfigurationError
+    naming the option, raised when vLLM makes the loader."""
+    script = """
+import json
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+out = {"loader": type(get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config={"threads": 2}))).__name__}
+for extra in ({"threads": 0}, {"bogus": 1}, {"backend": "cooperative"}):
+    try:
+        get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config=extra))
+    except Exception as e:
+        out[json.dumps(extra)] = f"{type(e).__name__}: {e}"
+print("RESULT " + json.dumps(out))
+"""
+    done = subprocess.run([vllm_python, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out.pop("loader") == "RaylazyModelLoader"
+    assert len(out) == 3  # every bad config raised
+    for extra, named in (('{"threads": 0}', "threads=0"), ('{"bogus": 1}', "bogus=1"),
+                         ('{"backend": "cooperative"}', "backend='cooperative'")):
+        assert out[extra].startswith("ConfigurationError: ") and named in out[extra], out[extra]

@@ -373,7 +373,8 @@ class Serving:
         t0 = time.perf_counter()
         tensors, stats = self._backend.read(self._plan(regions), self._device, options=self._options.reader)
         stats.seconds = time.perf_counter() - t0
-        self.stats.add_read(stats)
+        with self._cond:  # the reader thread and an unplanned take may both count
+            self.stats.add_read(stats)
         return {r: r.trim(tensors[r.tensor.name]) for r in regions}
 
     def _run(self) -> None:
