@@ -10,7 +10,8 @@ parent evicts the checkpoint's pages (posix_fadvise DONTNEED: a cold start) and 
 (/proc/diskstats: what the whole machine pulled from the checkpoint's device, other processes included). The
 child imports vLLM, times `LLM(...)` (engine, workers, weights, KV cache: until it can serve), and sums the
 `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io: what these processes made the
-device read) before shutting down. The engine runs in the child's process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+device read; "worker max" is the most one worker read: ranks share the page cache, so a page another rank
+already pulled costs nothing) before shutting down. The engine runs in the child's process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
 at tp > 1 the workers are its children. "load s" is the weights' own time as the loader logs it (vLLM's
 default loader: "Loading weights took"; raylazy: the rank's line, slowest rank), when it logs one. A format
 that fails is reported with the end of its error. The default checkpoint is the benchmark's 0.53 GB Llama
@@ -53,10 +54,11 @@ def one(model: str, load_format: str, tp: int) -> dict:
     llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1)
     ready = time.perf_counter() - t0
-    workers = psutil.Process().children(recursive=True)
-    pulled = _read_bytes(os.getpid()) - before + sum(_read_bytes(p.pid) for p in workers)
+    workers = [_read_bytes(p.pid) for p in psutil.Process().children(recursive=True)]
+    own = _read_bytes(os.getpid()) - before
     llm.llm_engine.engine_core.shutdown()
-    return {"ready_s": ready, "read_bytes": pulled}
+    # tp=1: the worker is this process; tp > 1: the workers are its children
+    return {"ready_s": ready, "read_bytes": own + sum(workers), "worker_max": max(workers) if tp > 1 else own}
 
 
 def measure(model: str, load_format: str, tp: int, device: Device) -> dict:
@@ -95,8 +97,8 @@ def main(argv=None) -> int:
     device = Device(checkpoint_files(model))
     print(f"checkpoint {model}: {sum(os.path.getsize(f) for f in checkpoint_files(model)) / 1e9:.2f} GB; device "
           f"{device.name or device.missing}")
-    print(f"{'format':<16} {'tp':>2} {'ready s':>8} {'load s':>7} {'processes read':>15} {'device read':>12} "
-          f"{'read/needed':>11}")
+    print(f"{'format':<16} {'tp':>2} {'ready s':>8} {'load s':>7} {'processes read':>15} {'worker max':>11} "
+          f"{'device read':>12} {'read/needed':>11}")
     for tp in args.tp:
         for fmt in args.formats:
             r = measure(model, fmt, tp, device)
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
             load = "-" if r["load_s"] is None else f"{r['load_s']:.2f}"
             ratio = "-" if r["read_over_needed"] is None else f"{r['read_over_needed']:.3f}"
             print(f"{fmt:<16} {tp:>2} {r['ready_s']:>8.1f} {load:>7} {gb(r['read_bytes']):>15} "
-                  f"{gb(r['disk_bytes']):>12} {ratio:>11}", flush=True)
+                  f"{gb(r['worker_max']):>11} {gb(r['disk_bytes']):>12} {ratio:>11}", flush=True)
     return 0
 
 
