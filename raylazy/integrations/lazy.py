@@ -6,7 +6,7 @@ shrink the weight's `Region` (a box of the full tensor), and `param.copy_(weight
 copies nothing; any other use (`.t()`, `.item()`, `torch.cat`, ...) notes the region as it is at that point,
 marked *opaque* (raylazy cannot follow the op, so it reads all of it), and gets zeros. While `Serving`, the
 noted regions are read in batches of about `batch_bytes`, in the order they were noted, by a raylazy reader
-on a background thread (at most `ahead` batches beyond the one being taken), and each use gets the region's
+on a background thread (at most `batches_ahead` batches beyond the ones being taken), and each use gets the region's
 real bytes. A region the second run takes that the first did not note is read on its own and counted.
 
 Each region becomes one `TensorShard` of a one-rank plan, cut along its first narrowed dim exactly as the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import ceil, prod
 from typing import Iterator, Mapping
 
