@@ -97,10 +97,10 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
                 for r in (r for k in (range(mesh.tp) if holders is None else holders) for r in ranks_of[s][k]):
                     slicing = placement.slicing(t.shape, context(r, t.name))
                     if slicing is None:
-                        whole = whole or _shard(fi, t, label, None, opts.max_gap)
+                        whole = whole or tensor_shard(fi, t, label, None, opts.max_gap)
                         per_rank[r].append(whole)
                     else:
-                        per_rank[r].append(_shard(fi, t, label, slicing, opts.max_gap, ckpt.files[fi].path))
+                        per_rank[r].append(tensor_shard(fi, t, label, slicing, opts.max_gap, ckpt.files[fi].path))
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({label}, rule {rule.pattern!r}): {e}") from None
@@ -144,7 +144,9 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names:
     return tensor_stages(names, partition(layers, opts.mesh.pp, opts.pp_layers), lambda n: stage_of(rules, n), tied)
 
 
-def _shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
+def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
+    """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, with the
+    byte ranges to read (row gaps of at most `max_gap` bytes read through; `path` names the file in errors)."""
     if slicing is None:
         read = Read(file=fi, offset=t.start, length=t.nbytes, dst_offset=0)
         return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=t.shape, shape=t.shape, placement=placement,

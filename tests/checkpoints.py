@@ -84,12 +84,29 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
              topk_group=1, first_k_dense_replace=1, num_hidden_layers=3, vocab_size=256, q_lora_rank=32,
              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, tie_word_embeddings=False),
     ),
+    # For vLLM on CPU (tests/test_vllm.py): head_dim >= 32 (its CPU attention needs it), a small vocabulary.
+    "vllm-llama": (  # GQA: 2 query heads per kv head
+        "LlamaConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+             num_hidden_layers=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False),
+    ),
+    "vllm-qwen2": (  # q/k/v biases, lm_head tied to the embeddings
+        "Qwen2Config",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
+             num_hidden_layers=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True),
+    ),
+    "vllm-mqa": (  # one kv head: at tp=2 both ranks take it (kv replication)
+        "LlamaConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=256,
+             num_hidden_layers=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False),
+    ),
 }
 
 #: Small enough that every model above is written as 2-5 shards.
 DEFAULT_SHARD_SIZE = "80KB"
 
-_SEEDS = {"llama": 1, "qwen2": 2, "mixtral": 3, "qwen2_moe": 4, "qwen3_moe": 5, "deepseek_v3": 6}
+_SEEDS = {"llama": 1, "qwen2": 2, "mixtral": 3, "qwen2_moe": 4, "qwen3_moe": 5, "deepseek_v3": 6, "vllm-llama": 7,
+          "vllm-qwen2": 8, "vllm-mqa": 9}
 
 
 def build_checkpoint(
