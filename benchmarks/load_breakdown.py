@@ -9,7 +9,7 @@ actors) each. Wall-clock timestamps, in seconds from the `raylazy.load` call:
 
 - on the driver, by wrapping (at run time, in this process only) the steps `raylazy.loader`
   calls: `RankGroup.create` (placement group and actors submitted), `make_plan` (headers read),
-  `RankGroup.wait_ready` (group placed, every actor constructed), `_wait_with_progress` (loads);
+  `RankGroup.wait_ready` (group placed, every actor constructed), `reading.wait_with_progress` (loads);
 - in each actor, through a `RankLoader` subclass passed as `actor_cls`: its process's start,
   entering `__init__` (worker booted, class unpickled), torch imported (`RankLoader.__init__`
   done), and its `load`.
@@ -85,6 +85,7 @@ def child(variant: str, tps: list[int], runs: int, model_dir: str) -> None:
 
     import raylazy
     import raylazy.loader as loader
+    import raylazy.reading as reading
     from raylazy.group import RankGroup
 
     from benchmarks.load_breakdown import TimedRankLoader as actor_cls  # by reference: not __main__'s copy
@@ -107,7 +108,7 @@ def child(variant: str, tps: list[int], runs: int, model_dir: str) -> None:
     _timed(RankGroup, "create", marks, "create")
     _timed(RankGroup, "wait_ready", marks, "ready")
     _timed(loader, "make_plan", marks, "plan")
-    _timed(loader, "_wait_with_progress", marks, "loads")
+    _timed(reading, "wait_with_progress", marks, "loads")
 
     @ray.remote(num_cpus=1)
     def noop() -> int:

@@ -17,7 +17,6 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from .actor import RankInfo, RankLoader, forget_rank
 from .errors import ConfigurationError, PlacementError, RankFailedError

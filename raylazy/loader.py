@@ -2,8 +2,8 @@
 
 A thin composition: options -> Ray (joined or started) -> bundles checked against the
 cluster -> a `RankGroup` created first, so its actors start (import torch) while the
-driver plans (or the caller's own actors, `actors=`) -> each rank reads its plan
-(`_read_ranks`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
+driver plans (or the caller's own actors, `actors=`) -> replica 0's ranks read their plan
+(`raylazy.reading`), the other replicas copy from them (`raylazy.peers`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
 timeout or a KeyboardInterrupt, releases all of it. `reload` plans another checkpoint of the
 same layout and the same ranks read it, through the same step, into the shards they hold.
 """
@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actor import RankInfo, RankLoader
-from .errors import ConfigurationError, LayoutMismatchError, NoShardsError, PeerFailedError, RankFailedError
-from .group import RankGroup, _cause
-from .io.backends import NODE_BACKENDS, backend_for, check_backend
+from .errors import ConfigurationError, NoShardsError
+from .group import RankGroup
+from .io.backends import check_backend
 from .io.common import ReadStats
 from .options import LoadOptions, load_options
 from .mesh import Coord, Mesh
-from .peers import peer_transport, source_rank
+from .peers import copy_from_replicas
 from .placement import check_placeable, ensure_ray, rank_bundles, stage_strategy
-from .plans import Plan, format_bytes
+from .plans import Plan, check_same_layout, format_bytes
 from .planner import make_plan, with_replicas
+from .reading import read_ranks
 from .rules import RulesLike
-from .schedule import NodeTask, group_by_node
 
 log = logging.getLogger("raylazy")
 
@@ -73,11 +71,6 @@ class LoadedModel:
     def ranks(self) -> list[RankInfo]:
         """Where each rank runs now, asked of the actors (a rank Ray restarted shows its new process)."""
         return self.group.refresh(self.options.timeout_s)
-
-    @property
-    def mesh(self) -> list[Coord]:
-        """Per global rank, in `refs()` order: its replica, stage and tp rank."""
-        return [self.plan.mesh.coord(r) for r in range(self.plan.mesh.size)]
 
     def refs(self, transport: str | None = None) -> list:
         """Per rank, an ObjectRef resolving to {name: tensor}.
@@ -146,7 +139,7 @@ class LoadedModel:
         check_same_layout(self.plan, plan)
         self._refs = {}
         self.group.refresh(self.options.timeout_s, "reload")  # a restarted rank may be on another node now
-        self.plan, self.stats = _read_ranks(self.group, plan, self.options, "reload")
+        self.plan, self.stats = read_ranks(self.group, plan, self.options, "reload")
         self.rules, self.seconds = rules, time.perf_counter() - t0
         log.info("%s", self.summary())
         return self
@@ -233,10 +226,10 @@ def load(
         group.wait_ready(place.placement_timeout_s, opts.timeout_s)
         read = []
         if source is None:  # replica 0 reads from storage; its node schedules (if any) are the load's
-            scheduled, read = _read_ranks(group, plan.model_copy(update={"ranks": plan.ranks[: mesh.size // mesh.dp]}),
+            scheduled, read = read_ranks(group, plan.model_copy(update={"ranks": plan.ranks[: mesh.size // mesh.dp]}),
                                           opts, "load")
             plan = plan.model_copy(update={"nodes": scheduled.nodes})
-        stats = _receive(group, plan, opts, source, read)
+        stats = copy_from_replicas(group, plan, opts, source, read)
     except BaseException:
         group.release()
         raise
@@ -273,118 +266,6 @@ def _replicated(model_dir, tp, pp, mesh, rules, replicas: int, source: LoadedMod
     return None, None, Mesh(**{**base.shape, "dp": replicas})
 
 
-def _read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> tuple[Plan, list[ReadStats]]:
-    """The ranks of `plan` (the group's first ranks) read their shards from storage: each rank's backend chosen,
-    the node schedules and tasks made, then `method` ("load": new shards, "reload": into the shards held) called
-    on each; returns the plan as read (with its node schedules, for node backends) and their ReadStats."""
-    ranks = group.ranks[: len(plan.ranks)]
-    nodes = group_by_node([r.node_id for r in ranks])
-    readers = [_rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
-    if any(r.backend in NODE_BACKENDS for r in readers):
-        plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
-    tasks = _node_tasks(group, plan, readers, opts.timeout_s)
-    calls = [getattr(a, method).remote(rp, reader, task)
-             for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
-    return plan, _wait_with_progress(group, calls, plan, opts)
-
-
-def _receive(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,
-             read: list[ReadStats]) -> list[ReadStats]:
-    """The ranks after those that `read` from storage copy their shards from a live replica's rank with their
-    coordinates (the source's, else replica 0 of this load); those whose copy fails read from storage instead
-    (`_read_instead`). Returns every rank's ReadStats."""
-    import ray
-
-    first = len(read)
-    ranks = range(first, plan.mesh.size)
-    if not ranks:
-        return read
-    held = source.group if source is not None else group
-    src_mesh, src_replicas = (source.plan.mesh, source.plan.mesh.dp) if source is not None else (plan.mesh, 1)
-    feeds = [source_rank(src_mesh, plan.mesh.coord(r), src_replicas) for r in ranks]
-    devices = {held.ranks[s].device for s in feeds} | {group.ranks[r].device for r in ranks}
-    transport = peer_transport(opts.peer_transport, "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
-    deadline = time.monotonic() + opts.timeout_s
-    stats, failed = dict(enumerate(read)), {}
-    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport)
-            for r, s in zip(ranks, feeds)}
-    for r, ref in refs.items():
-        try:
-            stats[r] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-        except Exception as e:  # noqa: BLE001  (a failed copy: read from storage instead)
-            failed[r] = _cause(e)
-    if failed:
-        # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
-        again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
-        stats.update(_read_instead(group, plan, opts, again, failed))
-    return [stats[r] for r in range(plan.mesh.size)]
-
-
-def _read_instead(group: RankGroup, plan: Plan, opts: LoadOptions, ranks: list[int], failed: dict) -> dict:
-    """Ranks whose copy from a live replica failed read their shards from storage, each alone; when that fails
-    too (the checkpoint is gone), one PeerFailedError naming both causes. Returns rank -> ReadStats."""
-    first = next(iter(failed.values()))
-    log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s from "
-                "storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)), plan.root)
-    reader = opts.reader.model_copy(update={"backend": "ranged"}) if opts.reader.backend != "fastsafetensors" else opts.reader
-    try:
-        stats = group.gather([group.actors[r].load.remote(plan.ranks[r], reader) for r in ranks], opts.timeout_s,
-                             "load from storage")
-    except RankFailedError as e:
-        cause = next(iter(e.failures.values()))
-        raise PeerFailedError(
-            f"rank(s) {', '.join(map(str, failed))} could not copy their shards from a live replica "
-            f"({type(first).__name__}: {first}), and reading them from storage ({plan.root}) failed too "
-            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}): load "
-            "again from another live replica, or from storage once the checkpoint is reachable") from e
-    return dict(zip(ranks, stats))
-
-
-def check_same_layout(loaded: Plan, new: Plan) -> None:
-    """LayoutMismatchError unless every rank of `new` has the tensors of `loaded`'s rank, each with the same
-    shard shape and dtype (what reading into the loaded shards needs); names the first difference."""
-    if len(new.ranks) != len(loaded.ranks):
-        raise LayoutMismatchError(f"{new.root}: planned for {len(new.ranks)} ranks, the loaded model has "
-                                  f"{len(loaded.ranks)}: reload needs the same ranks; raylazy.load it instead")
-    for old_rank, new_rank in zip(loaded.ranks, new.ranks):
-        old = {t.name: f"{t.dtype} {list(t.shape)}" for t in old_rank.tensors}
-        got = {t.name: f"{t.dtype} {list(t.shape)}" for t in new_rank.tensors}
-        name = next((n for n in sorted(old.keys() | got.keys()) if old.get(n) != got.get(n)), None)
-        if name is not None:
-            raise LayoutMismatchError(
-                f"{new.root}: rank {new_rank.rank}'s tensor {name!r} is {got.get(name, 'absent')} in the new "
-                f"checkpoint but {old.get(name, 'absent')} in the loaded one (a reload needs the same tensor names, "
-                "shapes and dtypes on every rank): raylazy.load it instead")
-
-
-def _rank_reader(reader, ranks_on_node: int, device: str = "cpu", files: tuple = ()):
-    """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
-    sharing its node with other ranks must not use GDS."""
-    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files)})
-    if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
-        return reader.model_copy(update={"nogds": True})
-    return reader
-
-
-def _node_tasks(group: RankGroup, plan: Plan, readers: list, timeout_s: float) -> list:
-    """Per rank, what it needs to read with its node: a NodeTask (cooperative: one load id for the node's
-    ready map), an ExchangeTask (exchange: the node's schedule, rank plans and meeting address, asked of the
-    node's first rank), or None (a rank reading alone)."""
-    from .io.coop_exchange import ExchangeTask
-
-    load_id = uuid.uuid4().hex[:16]
-    meet = sorted({plan.node_of(r).ranks[0] for r, rd in enumerate(readers) if rd.backend == "exchange"})
-    addresses = dict(zip(meet, group.gather([group.actors[r].exchange_address.remote() for r in meet],
-                                            timeout_s, "exchange address")))
-    tasks = []
-    for rank, reader in enumerate(readers):
-        sched = plan.node_of(rank) if reader.backend in NODE_BACKENDS else None
-        tasks.append(NodeTask(load_id, sched) if reader.backend == "cooperative"
-                     else ExchangeTask.of(plan, sched, addresses[sched.ranks[0]]) if reader.backend == "exchange"
-                     else None)
-    return tasks
-
-
 def _transport_for(transport: str, device: str) -> str:
     """The concrete transport for shards on `device` ("auto" chosen by device); one that cannot carry them is refused."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -402,28 +283,4 @@ def _shards_method(actor, transport: str):
     return actor.shards if transport == "object_store" else actor.shards.options(tensor_transport=transport)
 
 
-def _wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOptions) -> list[ReadStats]:
-    import ray
-
-    show = opts.progress if opts.progress is not None else sys.stderr.isatty()
-    if not show:
-        return group.gather(loads, opts.timeout_s, "load")
-    from tqdm import tqdm
-
-    total = sum(r.stats.bytes_needed for r in plan.ranks)
-    start = time.monotonic()
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"raylazy tp={plan.tp}", file=sys.stderr) as bar:
-        while time.monotonic() - start < opts.timeout_s:
-            ready, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
-            try:
-                done = sum(ray.get([a.progress.remote() for a in group.actors], timeout=5))
-            except Exception:  # noqa: BLE001  (a dead rank: gather reports it below)
-                break
-            bar.update(done - bar.n)  # the ranks' own count, also after the last load: the bar is never forced full
-            if len(ready) == len(loads):
-                break
-        stats = group.gather(loads, max(0.0, opts.timeout_s - (time.monotonic() - start)), "load")
-    return stats
-
-
-__all__ = ["load", "LoadedModel", "check_same_layout"]
+__all__ = ["load", "LoadedModel"]

@@ -13,13 +13,17 @@ loader then reads those ranks from storage, or fails with one error when it cann
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterator
 
-from .errors import ConfigurationError, PeerFailedError
+from .errors import ConfigurationError, PeerFailedError, RankFailedError
 from .io.common import Counter, ReadStats, shard_buffers
 from .mesh import Coord, Mesh
-from .plans import RankPlan, TensorShard
+from .options import LoadOptions
+from .plans import Plan, RankPlan, TensorShard
+
+log = logging.getLogger("raylazy")
 
 #: The backend name a receiving rank's ReadStats carry.
 BACKEND = "replica"
@@ -139,3 +143,56 @@ def _destroy(group) -> None:
         destroy_collective_group(group)
     except Exception:  # noqa: BLE001  (a member died)
         pass
+
+
+def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[ReadStats]) -> list[ReadStats]:
+    """On the driver: the ranks of `group` after those that `read` from storage copy their shards from a live
+    replica's rank with their coordinates (in `source`, a live LoadedModel, else in replica 0 of `group`); those
+    whose copy fails read from storage instead (`_read_instead`). Returns every rank's ReadStats."""
+    import ray
+
+    from .group import _cause
+
+    first = len(read)
+    ranks = range(first, plan.mesh.size)
+    if not ranks:
+        return read
+    held = source.group if source is not None else group
+    src_mesh, src_replicas = (source.plan.mesh, source.plan.mesh.dp) if source is not None else (plan.mesh, 1)
+    feeds = [source_rank(src_mesh, plan.mesh.coord(r), src_replicas) for r in ranks]
+    devices = {held.ranks[s].device for s in feeds} | {group.ranks[r].device for r in ranks}
+    transport = peer_transport(opts.peer_transport, "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
+    deadline = time.monotonic() + opts.timeout_s
+    stats, failed = dict(enumerate(read)), {}
+    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport)
+            for r, s in zip(ranks, feeds)}
+    for r, ref in refs.items():
+        try:
+            stats[r] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001  (a failed copy: read from storage instead)
+            failed[r] = _cause(e)
+    if failed:
+        # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
+        again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
+        stats.update(_read_instead(group, plan, opts, again, failed))
+    return [stats[r] for r in range(plan.mesh.size)]
+
+
+def _read_instead(group, plan: Plan, opts: LoadOptions, ranks: list[int], failed: dict) -> dict:
+    """Ranks whose copy from a live replica failed read their shards from storage, each alone; when that fails
+    too (the checkpoint is gone), one PeerFailedError naming both causes. Returns rank -> ReadStats."""
+    first = next(iter(failed.values()))
+    log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s from "
+                "storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)), plan.root)
+    reader = opts.reader.model_copy(update={"backend": "ranged"}) if opts.reader.backend != "fastsafetensors" else opts.reader
+    try:
+        stats = group.gather([group.actors[r].load.remote(plan.ranks[r], reader) for r in ranks], opts.timeout_s,
+                             "load from storage")
+    except RankFailedError as e:
+        cause = next(iter(e.failures.values()))
+        raise PeerFailedError(
+            f"rank(s) {', '.join(map(str, failed))} could not copy their shards from a live replica "
+            f"({type(first).__name__}: {first}), and reading them from storage ({plan.root}) failed too "
+            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}): load "
+            "again from another live replica, or from storage once the checkpoint is reachable") from e
+    return dict(zip(ranks, stats))

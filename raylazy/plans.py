@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .dtypes import DTYPE_BITS
-from .errors import PlanFormatError
+from .errors import LayoutMismatchError, PlanFormatError
 from .mesh import Mesh
 
 
@@ -305,3 +305,20 @@ def format_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def check_same_layout(loaded: Plan, new: Plan) -> None:
+    """LayoutMismatchError unless every rank of `new` has the tensors of `loaded`'s rank, each with the same
+    shard shape and dtype (what reading into the loaded shards needs); names the first difference."""
+    if len(new.ranks) != len(loaded.ranks):
+        raise LayoutMismatchError(f"{new.root}: planned for {len(new.ranks)} ranks, the loaded model has "
+                                  f"{len(loaded.ranks)}: reload needs the same ranks; raylazy.load it instead")
+    for old_rank, new_rank in zip(loaded.ranks, new.ranks):
+        old = {t.name: f"{t.dtype} {list(t.shape)}" for t in old_rank.tensors}
+        got = {t.name: f"{t.dtype} {list(t.shape)}" for t in new_rank.tensors}
+        name = next((n for n in sorted(old.keys() | got.keys()) if old.get(n) != got.get(n)), None)
+        if name is not None:
+            raise LayoutMismatchError(
+                f"{new.root}: rank {new_rank.rank}'s tensor {name!r} is {got.get(name, 'absent')} in the new "
+                f"checkpoint but {old.get(name, 'absent')} in the loaded one (a reload needs the same tensor names, "
+                "shapes and dtypes on every rank): raylazy.load it instead")

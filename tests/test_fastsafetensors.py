@@ -234,13 +234,13 @@ def test_gds_is_wanted_only_on_cuda_and_only_unless_nogds():
 
 
 def test_driver_turns_gds_off_for_ranks_sharing_a_node():
-    from raylazy.loader import _rank_reader
+    from raylazy.reading import rank_reader
 
     fopts = fst_options()
-    assert _rank_reader(fopts, 2).nogds is True
-    assert _rank_reader(fopts, 1).nogds is None  # alone: the rank decides (GDS on CUDA)
-    assert _rank_reader(fst_options(nogds=False), 4).nogds is False  # explicit choice kept
-    assert _rank_reader(ReaderOptions(), 4).nogds is None  # ranged: untouched
+    assert rank_reader(fopts, 2).nogds is True
+    assert rank_reader(fopts, 1).nogds is None  # alone: the rank decides (GDS on CUDA)
+    assert rank_reader(fst_options(nogds=False), 4).nogds is False  # explicit choice kept
+    assert rank_reader(ReaderOptions(), 4).nogds is None  # ranged: untouched
 
 
 @pytest.mark.parametrize("message", [

@@ -24,7 +24,7 @@ import raylazy
 from raylazy.actor import RankLoader
 from raylazy.errors import (ConfigurationError, LayoutMismatchError, NoShardsError, RankFailedError,
                             ReadError)
-from raylazy.loader import check_same_layout
+from raylazy.plans import check_same_layout
 from raylazy.options import ReaderOptions
 
 from checkpoints import build_checkpoint, reference_tensors
