@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("load", help="load a checkpoint on Ray, one actor per rank, and print the summary")
     p.add_argument("model_dir", nargs="?", help="model directory (default: generate a small Llama-shaped one)")
     _planning_args(p)
-    p.add_argument("--backend", choices=["auto", "ranged", "cooperative", "fastsafetensors"], default="auto")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="copies of the rank grid: replica 0 reads from storage, the others copy from it (default 1)")
+    p.add_argument("--backend", choices=["auto", "ranged", "cooperative", "exchange", "fastsafetensors"],
+                   default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--queue-size", type=int, default=None)
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
@@ -109,15 +112,17 @@ def _load(args) -> int:
             print(f"no model given: generated a Llama-shaped checkpoint in {model_dir}")
         if args.address:
             ray.init(address=args.address)
-        loaded = load(model_dir, args.tp, **_mesh_args(args), rules=rules, backend=args.backend, device=args.device,
+        loaded = load(model_dir, args.tp, **_mesh_args(args), replicas=args.replicas, rules=rules,
+                      backend=args.backend, device=args.device,
                       queue_size=args.queue_size, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
                       storage_options=_storage_options(args), progress=False if args.no_progress else None)
         try:
-            print(f"{'rank':>4} {'stage':>5} {'tp rank':>7} {'node':>10} {'device':>7} {'tensors':>7} {'bytes':>12} "
-                  f"{'requests':>9} {'seconds':>8}")
+            print(f"{'rank':>4} {'replica':>7} {'stage':>5} {'tp rank':>7} {'node':>10} {'device':>7} {'tensors':>7} "
+                  f"{'bytes':>12} {'from peers':>12} {'requests':>9} {'seconds':>8}")
             for info, c, st, rp in zip(loaded.ranks, loaded.mesh, loaded.stats, loaded.plan.ranks):
-                print(f"{info.rank:>4} {c.stage:>5} {c.tp_rank:>7} {info.node_id[:10]:>10} {info.device:>7} "
-                      f"{len(rp.tensors):>7} {st.bytes_needed:>12} {st.requests:>9} {st.seconds:>8.3f}")
+                print(f"{info.rank:>4} {c.replica:>7} {c.stage:>5} {c.tp_rank:>7} {info.node_id[:10]:>10} "
+                      f"{info.device:>7} {len(rp.tensors):>7} {st.bytes_needed:>12} {st.bytes_from_replica:>12} "
+                      f"{st.requests:>9} {st.seconds:>8.3f}")
             print(loaded.summary())
         finally:
             loaded.release()

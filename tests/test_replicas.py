@@ -135,6 +135,24 @@ class TestReplicas:
             loaded.release()
         assert_no_leaks(before, "a replicated load")
 
+    def test_cli_load_with_replicas(self, two_node_cluster, llama_dir, capsys):
+        from raylazy import cli
+
+        before = live()
+        assert cli.main(["load", llama_dir, "--tp", "2", "--replicas", "2", "--device", "cpu", "--backend", "ranged",
+                         "--no-progress"]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out.splitlines()
+        head = out.index(next(line for line in out if line.split()[:2] == ["rank", "replica"]))
+        rows = [line.split() for line in out[head + 1 : head + 5]]
+        plan = raylazy.plan(llama_dir, 2)
+        # rank, replica, stage, tp rank, ..., bytes needed, bytes from peers: replica 1 copies all it needs
+        for r, row in enumerate(rows):
+            needed = plan.ranks[r % 2].stats.bytes_needed
+            assert row[:4] == [str(r), str(r // 2), "0", str(r % 2)] and int(row[7]) == needed
+            assert int(row[8]) == (needed if r >= 2 else 0), row
+        assert "x 2 replicas" in out[head + 5]
+        assert_no_leaks(before, "the command's replicated load")
+
     def test_peer_load_without_the_checkpoint(self, two_node_cluster, llama_dir, tmp_path):
         import ray
 
