@@ -164,6 +164,12 @@ class RankMixin:
         self._hold(state, shards, plan, options)
         return stats
 
+    def forget_load(self, load_id: str) -> None:
+        """After a failed cooperative load `load_id`: remove what it left on this node (its ready map)."""
+        from .io.coop import remove_ready_maps
+
+        remove_ready_maps(load_id)
+
     def land(self, key: int, shards: dict) -> None:
         """A batch of shards arriving over a direct transport for `receive` (Ray delivers them as this argument)."""
         self._rank().landed[key] = shards

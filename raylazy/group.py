@@ -208,7 +208,8 @@ class RankGroup:
 
 
 #: The methods raylazy calls on a rank actor (`raylazy.RankMixin` has them all).
-RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release")
+RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release",
+                "forget_load")
 
 
 @contextmanager

@@ -27,7 +27,22 @@ def read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> 
     tasks = node_tasks(group, plan, readers, opts.timeout_s)
     calls = [getattr(a, method).remote(rp, reader, task)
              for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
-    return plan, wait_with_progress(group, calls, plan, opts)
+    try:
+        return plan, wait_with_progress(group, calls, plan, opts)
+    except BaseException:
+        _forget_ready_maps(group, tasks)
+        raise
+
+
+def _forget_ready_maps(group: RankGroup, tasks: list) -> None:
+    """After a failed cooperative read, the ranks still alive remove their node's ready map (a rank that died
+    never counted itself done, so the file would stay in /dev/shm); best effort, a few seconds at most."""
+    import ray
+
+    coop = {t.load_id for t in tasks if isinstance(t, NodeTask)}
+    calls = [a.forget_load.remote(load_id) for a in group.actors for load_id in coop]
+    if calls:
+        ray.wait(calls, num_returns=len(calls), timeout=5)
 
 
 def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = ()) -> ReaderOptions:

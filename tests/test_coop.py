@@ -177,10 +177,13 @@ def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, t
             assert os.path.exists(marker)
             check_loaded(loaded, llama_dir)
     else:
+        maps = lambda: {n for n in os.listdir(shm_dir()) if n.startswith("raylazy-") and n.endswith(".ready")}  # noqa: E731
+        before = maps()
         with pytest.raises(RankFailedError) as info:
             raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=0,
                          stripe_timeout_s=20)
         assert 1 in info.value.failures and os.path.exists(marker)
+        assert maps() == before  # the surviving rank removed the node's ready map the dead one left
     assert time.monotonic() - t0 < 120
 
 

@@ -14,8 +14,9 @@ The ready map is a file in /dev/shm (the temporary directory where there is none
 and the node: a 16-byte header (ranks done, number of stripes) and one byte per stripe (0 pending,
 1 ready, 2 failed). Every rank of the node creates or opens it under an exclusive `flock`; the last rank
 to finish (successfully or not) removes it. A rank whose process is killed does not count itself done,
-so after a crash a file `raylazy-<load id>-<node>.ready` of a few bytes per stripe can be left behind;
-it is never reused (every load has a new id) and may be deleted.
+so after a crash a file `raylazy-<load id>-<node>.ready` of a few bytes per stripe would be left behind:
+when such a load fails, the driver has the ranks still alive remove it (`remove_ready_maps`). It is never
+reused (every load has a new id).
 
 A keeper waits at most `options.stripe_timeout_s` for any stripe to become ready (a reader whose process
 died and is not restarted in time), then raises a ReadError naming the stripe, its file and its reader.
@@ -315,6 +316,17 @@ class _locked:
 
     def __exit__(self, *exc):
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def remove_ready_maps(load_id: str) -> None:
+    """Remove this node's ready maps of load `load_id` (after the load failed; those already gone are skipped)."""
+    prefix = f"raylazy-{load_id}-"
+    for name in os.listdir(shm_dir()):
+        if name.startswith(prefix) and name.endswith(".ready"):
+            try:
+                os.unlink(os.path.join(shm_dir(), name))
+            except FileNotFoundError:
+                pass
 
 
 def shm_dir() -> str:
