@@ -170,19 +170,36 @@ def test_environment_configures_the_client(s3, s3_llama, llama_dir, monkeypatch)
     assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in make_plan(llama_dir, 2, max_gap=DEFAULT_MAX_GAP).ranks]
 
 
-def test_node_backends_read_object_storage_ranged(s3_llama):
+def test_node_backends_exchange_object_storage(s3_llama):
     from raylazy.plans import FileRef
 
     ref = (FileRef(uri=f"{s3_llama}/model.safetensors", size=1, digest=""),)
-    assert {backend_for(b, 4, d, ref) for b in ("auto", "cooperative", "exchange") for d in ("cpu", "cuda")} == {"ranged"}
+    # no page cache to share: a node's ranks fetch each stripe once and exchange it; a rank alone reads ranged
+    assert {backend_for(b, 4, d, ref) for b in ("auto", "cooperative", "exchange") for d in ("cpu", "cuda")} == {"exchange"}
+    assert backend_for("auto", 1, "cpu", ref) == "ranged"
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_load_from_s3(ray_local, s3, s3_llama, llama_dir):
-    with raylazy.load(s3_llama, 2, storage_options=s3.storage_options, max_gap=0, device="cpu") as loaded:
+@pytest.mark.parametrize("backend", ["auto", "ranged"])
+def test_load_from_s3(ray_local, s3, s3_llama, llama_dir, backend):
+    s3.reset()
+    with raylazy.load(s3_llama, 2, storage_options=s3.storage_options, max_gap=0, device="cpu", backend=backend,
+                      stripe_bytes=65536) as loaded:
+        counts = s3.reset()
         check_loaded(loaded, llama_dir)
-        assert {s.backend for s in loaded.stats} == {"ranged"}  # two ranks on one node: ranged, not cooperative
+        files = shard_files(llama_dir)
+        checks = {f"bytes=0-7"} | {f"bytes=8-{header_bytes(os.path.join(llama_dir, n)) - 1}" for n in files}
+        data = [g for g in counts.gets("/llama/") if g.path.endswith(".safetensors") and g.range not in checks]
+        if backend == "auto":  # two ranks on one node: each stripe fetched once for both, as one request
+            assert {s.backend for s in loaded.stats} == {"exchange"}
+            stripes = loaded.plan.nodes[0].stripes
+            assert sorted((g.path.rsplit("/", 1)[1], g.range) for g in data) == sorted(
+                (files[s.file], f"bytes={s.start}-{s.end - 1}") for s in stripes)
+            assert sum(s.end - s.start for s in stripes) <= 1.02 * loaded.plan.checkpoint_bytes
+        else:  # each rank its own ranges: one request per row with max_gap=0
+            assert {s.backend for s in loaded.stats} == {"ranged"}
+            assert sum(g.body_bytes for g in data) == sum(s.bytes_read for s in loaded.stats) and len(data) > 100
 
 
 class socket_closed_port:

@@ -56,12 +56,15 @@ def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) 
     """The backend a rank uses for the requested `name`, with `peers` ranks on its node (itself included) and
     loading to `device`. "auto": a rank sharing its node reads cooperatively, through the page cache on the CPU
     ("cooperative") or stripes exchanged over NCCL on a GPU ("exchange"); a rank alone on its node reads its own
-    ranges ("ranged": they are already exactly its pages). Node backends read local files only: with files
-    elsewhere, they read ranged."""
+    ranges ("ranged": they are already exactly its pages). Files that are not local (object storage) have no
+    page cache to share: their node reads go through the exchange (each stripe fetched once per node, gloo on
+    CPUs), "cooperative" included."""
     if name != "auto" and name not in NODE_BACKENDS:
         return name
-    if any(local_path(f.uri) is None for f in files) or (name == "auto" and peers < 2):
+    if name == "auto" and peers < 2:
         return "ranged"
+    if any(local_path(f.uri) is None for f in files):
+        return "exchange"
     if name == "auto":
         return "cooperative" if device == "cpu" else "exchange"
     return name

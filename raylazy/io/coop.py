@@ -22,8 +22,8 @@ A keeper waits at most `options.stripe_timeout_s` for any stripe to become ready
 died and is not restarted in time), then raises a ReadError naming the stripe, its file and its reader.
 A reader that fails marks its remaining stripes failed, so its peers fail at once too. Files are
 checked against the plan first (FileChangedError); a file truncated while mapped would kill the rank's
-process (SIGBUS), which Ray then restarts and the check catches. Only local files can be mapped: the
-driver falls back to the ranged reader for other storages (`raylazy.io.backends.backend_for`).
+process (SIGBUS), which Ray then restarts and the check catches. Only local files can be mapped: for
+other storages the driver picks the exchange instead (`raylazy.io.backends.backend_for`).
 
 On a GPU device the keeps are copied from the mapping to the device one by one (correct, not fast):
 the driver's "auto" choice uses cooperative reads for CPU ranks only; the GPU exchange (stripes to the

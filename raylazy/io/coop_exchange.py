@@ -174,7 +174,7 @@ def read_rank_exchanged(
     sources = {}
     try:
         for f in sorted({sched.stripes[s].file for s in rounds.own[me]}):
-            sources[f] = open_planned(plan, f)
+            sources[f] = open_planned(plan, f, options.storage_options)
         with Exchange(backend_for(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)) as ex, \
                 _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size, on_device) as reader:
             for t in range(rounds.count):
