@@ -292,7 +292,9 @@ def test_autoscaling_reduced(tmp_path):
     first_nodes = {r["node_id"] for r in tl["ranks"]}
     for r in second["ranks"]:
         assert r["node_id"] in workers and r["node_id"] not in first_nodes, r
-        assert second["start"] < r["node_added"] < r["started"] <= r["ready"] <= r["read_start"] <= r["read_end"], r
+        # its node was added for it, or earlier when the autoscaler launched ahead of demand (seen on a loaded
+        # machine): either way before the rank started there
+        assert r["node_added"] < r["started"] <= r["ready"] <= r["read_start"] <= r["read_end"], r
         assert r["bytes_read"] == 0 and r["bytes_from_replica"] > 0, r
     assert sum(r["bytes_from_replica"] for r in second["ranks"]) == sum(r["bytes_read"] for r in tl["ranks"]), tl
 
