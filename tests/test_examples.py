@@ -90,6 +90,8 @@ class HeadNode:
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
                     "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
         self.env.pop("RAY_ADDRESS", None)
+        # the job's `python` is this interpreter, as in the README's activated virtualenv (not whatever PATH has)
+        self.env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + self.env.get("PATH", "")
         cmd = _ray_cli() + [
             "start", "--head", f"--temp-dir={self.temp_dir}", f"--port={self.port}",
             "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
