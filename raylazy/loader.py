@@ -101,7 +101,8 @@ class LoadedModel:
         return {i.rank: (i.node_id, i.device) for i in self.ranks}
 
     def summary(self) -> str:
-        """One line: model, tp, bytes, end-to-end and reading seconds, GB/s, bytes read beyond the needed."""
+        """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage for the shards
+        that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from replicas."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
         from_replica = sum(s.bytes_from_replica for s in self.stats)
@@ -114,7 +115,7 @@ class LoadedModel:
             f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} from storage "
-            f"({format_bytes(read - read_needed)} beyond the needed), {format_bytes(from_replica)} copied from live replicas"
+            f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas"
         )
 
     def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> "LoadedModel":
