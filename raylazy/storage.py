@@ -42,6 +42,9 @@ class Source(ABC):
     size: int
     #: The opened version's tag (an object's ETag; "" where the storage has none, as for local files).
     version: str = ""
+    #: Reads this source serves best at once (object storage: its requests in flight); the ranged reader keeps at
+    #: least this many windows in flight.
+    concurrency: int = 1
 
     @abstractmethod
     def read(self, offset: int, n: int) -> bytes:

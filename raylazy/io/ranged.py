@@ -1,12 +1,14 @@
 """Execute one rank's plan with positional reads straight into its shard tensors.
 
-The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole
-destination rows (at most `chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through
-the files' `Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place; a window's rows are asked of storage
-all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
+The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole destination rows (at most
+`chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through the files'
+`Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place: `threads` threads, or more
+where a source serves more reads at once (its `concurrency`: object storage's GETs in flight). A window's rows
+are asked of storage all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
 On the CPU a window is a slice of the shard itself, so nothing is staged. On a GPU a window is read into one of
-`queue_size + 2` pinned staging buffers and copied to the device asynchronously while
-the next windows are read: staging never exceeds (queue_size + 2) x window bytes.
+`queue_size + 2` pinned staging buffers and copied to the device asynchronously while the next windows are read:
+staging never exceeds (queue_size + 2) x window bytes, and no more windows are in flight (from object storage,
+raise `queue_size` for more GETs at once).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def read_rank(
         schedule = schedule or rank_schedule(plan, options.chunk_bytes)
         jobs = schedule.windows
         reader = _Reader(plan, sources, counter)
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="raylazy-read") as pool:
+        threads = max([options.threads] + [s.concurrency for s in sources.values()])
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-read") as pool:
             if not (dev.type != "cpu" if stage is None else stage):
                 futures = [pool.submit(reader.run, j, _as_view(flats[j.tensor], j.start, j.end)) for j in jobs]
                 try:
