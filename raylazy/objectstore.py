@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import errno
 import threading
+from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from itertools import accumulate
 from typing import Any, Mapping, Sequence
 
 import obstore
@@ -89,20 +91,21 @@ class ObjectSource(Source):
 
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
-        total = sum(len(v) for v in views)
+        ends = list(accumulate(len(v) for v in views))  # a gather is thousands of rows and gaps
+        total = ends[-1] if ends else 0
         if offset + total > self.size:
             raise EOFError(f"{offset + total - self.size} bytes missing past the object's end ({self.size} bytes)")
         step = self.storage.part_bytes
         parts = [(a, min(a + step, offset + total)) for a in range(offset, offset + total, step)]
         if len(parts) == 1:
-            self._fill(offset, *parts[0], views)
+            self._fill(offset, *parts[0], views, ends)
             return
-        for f in [self.storage.pool().submit(self._fill, offset, a, b, views) for a, b in parts]:
+        for f in [self.storage.pool().submit(self._fill, offset, a, b, views, ends) for a, b in parts]:
             f.result()
 
-    def _fill(self, base: int, start: int, end: int, views: list[memoryview]) -> None:
+    def _fill(self, base: int, start: int, end: int, views: list[memoryview], ends: list[int]) -> None:
         """GET bytes [start, end) and stream them into their place in `views` (which hold bytes from `base` on)."""
-        targets = iter(_cut(views, start - base, end - base))
+        targets = iter(_cut(views, ends, start - base, end - base))
         target, at = next(targets), 0
         try:
             with self.storage.slots:
@@ -235,14 +238,16 @@ class ObjectStorage(Storage):
         return uri.rstrip("/")
 
 
-def _cut(views: list[memoryview], start: int, end: int) -> list[memoryview]:
-    """The pieces of `views` (laid end to end) that hold bytes [start, end)."""
-    out, at = [], 0
-    for v in views:
-        lo, hi = max(start - at, 0), min(end - at, len(v))
+def _cut(views: list[memoryview], ends: list[int], start: int, end: int) -> list[memoryview]:
+    """The pieces of `views` (laid end to end, view i ending at `ends[i]`) that hold bytes [start, end)."""
+    out = []
+    for i in range(bisect_right(ends, start), len(views)):
+        at = ends[i] - len(views[i])
+        if at >= end:
+            break
+        lo, hi = max(start - at, 0), min(end - at, len(views[i]))
         if lo < hi:
-            out.append(v[lo:hi])
-        at += len(v)
+            out.append(views[i][lo:hi])
     return out
 
 

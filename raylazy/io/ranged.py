@@ -26,7 +26,6 @@ from ..options import ReaderOptions
 from ..storage import Source
 from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -125,16 +124,13 @@ class _Reader:
 
     def _gather(self, source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
         gap = memoryview(self.gap)[: r.stride - r.length]
-        per_call = max(1, _IOV_MAX // 2)
-        for b in range(first, first + n, per_call):
-            rows = range(b, min(b + per_call, first + n))
-            iov = []
-            for i in rows:
-                dst = r.dst_offset + i * r.dst_stride - base
-                iov.append(buf[dst : dst + r.length])
-                if i != rows[-1] and len(gap):
-                    iov.append(gap)
-            source.readinto(r.offset + b * r.stride, iov)
+        iov = []  # rows and the gaps between them: one range (object storage fetches it in concurrent parts)
+        for i in range(first, first + n):
+            dst = r.dst_offset + i * r.dst_stride - base
+            iov.append(buf[dst : dst + r.length])
+            if i != first + n - 1 and len(gap):
+                iov.append(gap)
+        source.readinto(r.offset + first * r.stride, iov)
 
 
 def _read_rows(source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
