@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -38,6 +39,8 @@ class Counts:
     """What the proxy forwarded since the last `S3Server.reset()`."""
 
     requests: list[Request] = field(default_factory=list)
+    #: Most requests the proxy was serving at once.
+    most_in_flight: int = 0
 
     def gets(self, key_part: str = "") -> list[Request]:
         return [r for r in self.requests if r.method == "GET" and key_part in r.path and r.status in (200, 206)
@@ -62,6 +65,10 @@ class S3Server:
         #: Faults to inject, consumed one per request in order: "503", "reset" (before answering), "cut" (reset
         #: half-way through the body) or None (forward it).
         self.faults: list[str | None] = []
+        #: Emulated remote store (0: off): seconds before each answer, and bytes per second each response is sent at.
+        self.first_byte_s = 0.0
+        self.connection_bps = 0.0
+        self.in_flight = 0
         self.lock = threading.Lock()
         self.proxy = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.proxy.daemon_threads = True
@@ -127,6 +134,16 @@ def _handler(server: S3Server):
         def log_message(self, *args) -> None:
             pass
 
+        def _serve(self) -> None:
+            with server.lock:
+                server.in_flight += 1
+                server.counts.most_in_flight = max(server.counts.most_in_flight, server.in_flight)
+            try:
+                self._forward()
+            finally:
+                with server.lock:
+                    server.in_flight -= 1
+
         def _forward(self) -> None:
             fault = server._fault()
             if fault == "reset":  # abort: RST instead of a response
@@ -156,6 +173,7 @@ def _handler(server: S3Server):
                 self.close_connection = True
 
         def _answer(self, fault, status, headers, data) -> None:
+            time.sleep(server.first_byte_s)
             self.send_response(status)
             for k, v in headers:
                 if k.lower() not in _HOP and k.lower() != "content-length":
@@ -170,8 +188,20 @@ def _handler(server: S3Server):
                 self.connection.close()
                 self.close_connection = True
             elif self.command != "HEAD":
-                self.wfile.write(data)
+                self._send(memoryview(data))
 
-        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+        def _send(self, data: memoryview) -> None:
+            """The body; at `connection_bps` when set, a tenth of a second's bytes at a time."""
+            rate = server.connection_bps
+            if not rate:
+                self.wfile.write(data)
+                return
+            step = max(1, int(rate / 10))
+            for at in range(0, len(data), step):
+                piece, t = data[at : at + step], time.perf_counter()
+                self.wfile.write(piece)
+                time.sleep(max(0.0, len(piece) / rate - (time.perf_counter() - t)))
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _serve
 
     return Handler

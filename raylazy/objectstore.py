@@ -15,8 +15,13 @@ obstore's store config (`endpoint`, `access_key_id`, `region`, ...), its client 
 `timeout`, `connect_timeout`, ...: `_CLIENT_KEYS`), its retry settings (`max_retries`, default 10;
 `retry_timeout`, default 180 s; `init_backoff`, `max_backoff` in seconds, default 0.1 and 15;
 `backoff_base`, default 2), or raylazy's own: `part_bytes` (a range larger than this is fetched as parts,
-concurrently; default 8 MiB) and `max_concurrency` (parts in flight per process; default 16). Memory:
-parts stream straight into the destination buffers, so nothing but the client's chunks is held.
+concurrently; default 8 MiB) and `max_concurrency` (GETs in flight per process; default 32).
+
+Throughput: a remote store serves each connection at tens of MB/s after tens of ms to first byte, so a rank
+needs many requests in flight. A source's `concurrency` is `max_concurrency`: the ranged reader keeps that
+many windows in flight (each a range in parts, or rows one GET each), and a semaphore holds the GETs of the
+process to `max_concurrency`. Memory: parts stream straight into the destination buffers, so the bound is the
+client's chunks, about `max_concurrency` x 1 MiB (on a GPU also the reader's staging windows, as for files).
 
 Opening an object is one HEAD request (its size and ETag); every later GET of it carries `If-Match: <ETag>`,
 so an object replaced while it is read is a `FileChangedError`, never a mix of two versions. A missing
@@ -27,8 +32,10 @@ from __future__ import annotations
 
 import errno
 import threading
+from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from itertools import accumulate
 from typing import Any, Mapping, Sequence
 
 import obstore
@@ -45,7 +52,7 @@ from .storage import NotAFileError, Source, Storage
 #: the needed bytes at one request per row.
 DEFAULT_MAX_GAP = 1 << 20
 DEFAULT_PART_BYTES = 8 << 20
-DEFAULT_CONCURRENCY = 16
+DEFAULT_CONCURRENCY = 32
 #: Bytes per chunk of a streamed response (a part is copied into place chunk by chunk).
 _CHUNK_BYTES = 1 << 20
 
@@ -64,6 +71,7 @@ class ObjectSource(Source):
     def __init__(self, storage: "ObjectStorage", store, key: str, uri: str, size: int, etag: str):
         self.storage, self.store, self.key = storage, store, key
         self.uri, self.size, self.version = uri, size, etag
+        self.concurrency = storage.max_concurrency
 
     def _get(self, start: int, end: int):
         options: dict[str, Any] = {"range": (start, end)}
@@ -76,36 +84,39 @@ class ObjectSource(Source):
         if end <= offset:
             return b""
         try:
-            return bytes(self._get(offset, end).bytes())
+            with self.storage.slots:
+                return bytes(self._get(offset, end).bytes())
         except Exception as e:  # noqa: BLE001  (obstore's errors: mapped to the Source contract)
             raise self._error(e) from None
 
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
-        total = sum(len(v) for v in views)
+        ends = list(accumulate(len(v) for v in views))  # a gather is thousands of rows and gaps
+        total = ends[-1] if ends else 0
         if offset + total > self.size:
             raise EOFError(f"{offset + total - self.size} bytes missing past the object's end ({self.size} bytes)")
         step = self.storage.part_bytes
         parts = [(a, min(a + step, offset + total)) for a in range(offset, offset + total, step)]
         if len(parts) == 1:
-            self._fill(offset, *parts[0], views)
+            self._fill(offset, *parts[0], views, ends)
             return
-        for f in [self.storage.pool().submit(self._fill, offset, a, b, views) for a, b in parts]:
+        for f in [self.storage.pool().submit(self._fill, offset, a, b, views, ends) for a, b in parts]:
             f.result()
 
-    def _fill(self, base: int, start: int, end: int, views: list[memoryview]) -> None:
+    def _fill(self, base: int, start: int, end: int, views: list[memoryview], ends: list[int]) -> None:
         """GET bytes [start, end) and stream them into their place in `views` (which hold bytes from `base` on)."""
-        targets = iter(_cut(views, start - base, end - base))
+        targets = iter(_cut(views, ends, start - base, end - base))
         target, at = next(targets), 0
         try:
-            for chunk in self._get(start, end).stream(min_chunk_size=_CHUNK_BYTES):
-                data = memoryview(chunk)
-                while len(data):
-                    if at == len(target):
-                        target, at = next(targets), 0
-                    n = min(len(data), len(target) - at)
-                    target[at : at + n] = data[:n]
-                    data, at = data[n:], at + n
+            with self.storage.slots:
+                for chunk in self._get(start, end).stream(min_chunk_size=_CHUNK_BYTES):
+                    data = memoryview(chunk)
+                    while len(data):
+                        if at == len(target):
+                            target, at = next(targets), 0
+                        n = min(len(data), len(target) - at)
+                        target[at : at + n] = data[:n]
+                        data, at = data[n:], at + n
         except StopIteration:
             raise OSError(errno.EIO, f"the server sent more than the {end - start} bytes asked for", self.uri) from None
         except Exception as e:  # noqa: BLE001
@@ -153,6 +164,8 @@ class ObjectStorage(Storage):
         self._config = options
         self._stores: dict[str, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
+        #: One per GET in flight (a part, a row, a header read): at most `max_concurrency` per process.
+        self.slots = threading.BoundedSemaphore(self.max_concurrency)
         self._lock = threading.Lock()
 
     def pool(self) -> ThreadPoolExecutor:
@@ -225,14 +238,16 @@ class ObjectStorage(Storage):
         return uri.rstrip("/")
 
 
-def _cut(views: list[memoryview], start: int, end: int) -> list[memoryview]:
-    """The pieces of `views` (laid end to end) that hold bytes [start, end)."""
-    out, at = [], 0
-    for v in views:
-        lo, hi = max(start - at, 0), min(end - at, len(v))
+def _cut(views: list[memoryview], ends: list[int], start: int, end: int) -> list[memoryview]:
+    """The pieces of `views` (laid end to end, view i ending at `ends[i]`) that hold bytes [start, end)."""
+    out = []
+    for i in range(bisect_right(ends, start), len(views)):
+        at = ends[i] - len(views[i])
+        if at >= end:
+            break
+        lo, hi = max(start - at, 0), min(end - at, len(views[i]))
         if lo < hi:
-            out.append(v[lo:hi])
-        at += len(v)
+            out.append(views[i][lo:hi])
     return out
 
 

@@ -27,6 +27,8 @@ from .errors import ConfigurationError, UnsupportedStorageError
 
 #: Bytes per POSIX_FADV_WILLNEED call: the kernel reads at most max(read-ahead, max I/O size) per call.
 _HINT_BYTES = 128 << 10
+#: Most buffers one preadv takes.
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 #: preadv flag for "only what is cached" (0 where the platform lacks it).
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
@@ -42,6 +44,9 @@ class Source(ABC):
     size: int
     #: The opened version's tag (an object's ETag; "" where the storage has none, as for local files).
     version: str = ""
+    #: Reads this source serves best at once (object storage: its requests in flight); the ranged reader keeps at
+    #: least this many windows in flight.
+    concurrency: int = 1
 
     @abstractmethod
     def read(self, offset: int, n: int) -> bytes:
@@ -128,18 +133,19 @@ class LocalSource(Source):
         return b"".join(chunks)
 
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        """preadv until every buffer is full; short reads continue, the end of the file raises EOFError."""
-        bufs = list(buffers)
-        while bufs:
-            got = os.preadv(self.fd, bufs, offset)
+        """preadv (at most _IOV_MAX buffers a call) until every buffer is full; short reads continue, the end of
+        the file raises EOFError."""
+        bufs, i = list(buffers), 0
+        while i < len(bufs):
+            got = os.preadv(self.fd, bufs[i : i + _IOV_MAX], offset)
             if got == 0:
-                raise EOFError(f"{sum(len(b) for b in bufs)} bytes missing at offset {offset}")
+                raise EOFError(f"{sum(len(b) for b in bufs[i:])} bytes missing at offset {offset}")
             offset += got
-            while bufs and got >= len(bufs[0]):
-                got -= len(bufs[0])
-                bufs = bufs[1:]
-            if bufs and got:
-                bufs = [bufs[0][got:]] + bufs[1:]
+            while i < len(bufs) and got >= len(bufs[i]):
+                got -= len(bufs[i])
+                i += 1
+            if got:
+                bufs[i] = bufs[i][got:]
 
     def try_readinto(self, offset: int, buffer: memoryview) -> int:
         """One preadv with RWF_NOWAIT: the bytes that were cached (0 if none, or if the kernel or file

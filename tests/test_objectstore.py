@@ -96,6 +96,24 @@ def test_ranks_fetch_only_their_ranges(s3, s3_llama, llama_dir, tp, max_gap, par
         assert stats.requests <= ranges <= (stats.requests + windows) * (2 if part_bytes else 1), (ranges, stats.requests)
 
 
+@pytest.mark.parametrize("part_bytes", [None, 4096])  # each window one GET; windows in parts (and single GETs)
+def test_a_rank_keeps_max_concurrency_gets_in_flight(s3, s3_llama, llama_dir, part_bytes):
+    """Against a store slow to answer, one reader thread still keeps `max_concurrency` GETs in flight (a source
+    asks for that many windows at once), and never more."""
+    plan = make_plan(s3_llama, 2, storage_options=s3.storage_options)
+    options = dict(s3.storage_options, max_concurrency=4, **({"part_bytes": part_bytes} if part_bytes else {}))
+    s3.first_byte_s = 0.02
+    try:
+        s3.reset()
+        shards, _ = read_rank(plan.ranks[0], "cpu", options=ReaderOptions(storage_options=options, threads=1,
+                                                                           chunk_bytes=8192))
+        counts = s3.reset()
+    finally:
+        s3.first_byte_s = 0.0
+    check_rank(plan.ranks[0], shards, llama_dir)
+    assert counts.most_in_flight == 4, counts.most_in_flight
+
+
 def test_retries_throttling_and_resets_then_reports(s3, s3_llama, llama_dir):
     plan = make_plan(s3_llama, 2, storage_options=s3.storage_options)
     options = ReaderOptions(storage_options=s3.storage_options)

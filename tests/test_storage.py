@@ -129,6 +129,9 @@ def test_local_source_reads_exactly_and_refuses_non_files(tmp_path):
         a, b = bytearray(7), bytearray(300)
         src.readinto(1000, [memoryview(a), memoryview(b)])
         assert bytes(a + b) == data[1000:1307]
+        rows = [bytearray(3) for _ in range(3000)]  # more buffers than one preadv takes (IOV_MAX, 1024 on Linux)
+        src.readinto(5, [memoryview(r) for r in rows])
+        assert b"".join(rows) == data[5:9005]
         src.random_access()
         src.will_need(0, len(data))
         c = bytearray(100)

@@ -1,12 +1,14 @@
 """Execute one rank's plan with positional reads straight into its shard tensors.
 
-The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole
-destination rows (at most `chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through
-the files' `Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place; a window's rows are asked of storage
-all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
+The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole destination rows (at most
+`chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through the files'
+`Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place: `threads` threads, or more
+where a source serves more reads at once (its `concurrency`: object storage's GETs in flight). A window's rows
+are asked of storage all at once (see `_read_rows`), so a cold read does not wait on storage once per row.
 On the CPU a window is a slice of the shard itself, so nothing is staged. On a GPU a window is read into one of
-`queue_size + 2` pinned staging buffers and copied to the device asynchronously while
-the next windows are read: staging never exceeds (queue_size + 2) x window bytes.
+`queue_size + 2` pinned staging buffers and copied to the device asynchronously while the next windows are read:
+staging never exceeds (queue_size + 2) x window bytes, and no more windows are in flight (from object storage,
+raise `queue_size` for more GETs at once).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from ..options import ReaderOptions
 from ..storage import Source
 from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -64,7 +65,8 @@ def read_rank(
         schedule = schedule or rank_schedule(plan, options.chunk_bytes)
         jobs = schedule.windows
         reader = _Reader(plan, sources, counter)
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="raylazy-read") as pool:
+        threads = max([options.threads] + [s.concurrency for s in sources.values()])
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-read") as pool:
             if not (dev.type != "cpu" if stage is None else stage):
                 futures = [pool.submit(reader.run, j, _as_view(flats[j.tensor], j.start, j.end)) for j in jobs]
                 try:
@@ -122,16 +124,13 @@ class _Reader:
 
     def _gather(self, source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
         gap = memoryview(self.gap)[: r.stride - r.length]
-        per_call = max(1, _IOV_MAX // 2)
-        for b in range(first, first + n, per_call):
-            rows = range(b, min(b + per_call, first + n))
-            iov = []
-            for i in rows:
-                dst = r.dst_offset + i * r.dst_stride - base
-                iov.append(buf[dst : dst + r.length])
-                if i != rows[-1] and len(gap):
-                    iov.append(gap)
-            source.readinto(r.offset + b * r.stride, iov)
+        iov = []  # rows and the gaps between them: one range (object storage fetches it in concurrent parts)
+        for i in range(first, first + n):
+            dst = r.dst_offset + i * r.dst_stride - base
+            iov.append(buf[dst : dst + r.length])
+            if i != first + n - 1 and len(gap):
+                iov.append(gap)
+        source.readinto(r.offset + first * r.stride, iov)
 
 
 def _read_rows(source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
