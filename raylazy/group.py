@@ -195,17 +195,23 @@ class RankGroup:
                     remove_placement_group(pg)
                 except Exception:  # noqa: BLE001  (already removed)
                     pass
+            dropping = []
             for a in self.actors:
                 try:
                     if self.owned:
                         ray.kill(a, no_restart=True)
                     else:
-                        a.release.remote()
+                        dropping.append(a.release.remote())
                     forget_rank(a._actor_id.hex())
                 except Exception:  # noqa: BLE001  (already dead)
                     pass
+            if dropping:  # the caller's actors may run calls concurrently: released means their shards are dropped
+                ray.wait(dropping, num_returns=len(dropping), timeout=RELEASE_WAIT_S)
             self.actors, self.placement_groups, self.ranks = [], [], []
 
+
+#: How long `release` waits for the caller's actors to drop their shards (a dead or stuck one is not waited for).
+RELEASE_WAIT_S = 30.0
 
 #: The methods raylazy calls on a rank actor (`raylazy.RankMixin` has them all).
 RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release",
