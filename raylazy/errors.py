@@ -236,6 +236,12 @@ class GDSUnavailableError(LoadError):
     """GPUDirect Storage is not usable on this node."""
 
 
+def first_line(e: BaseException) -> str:
+    """An error's message cut to its first non-empty line (empty for an error without a message)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class RankFailedError(LoadError):
     """One or more ranks failed; `failures` maps each failed rank to its cause."""
 
@@ -245,8 +251,7 @@ class RankFailedError(LoadError):
         ranks = ", ".join(str(r) for r in self.failures)
         lines = [f"{context} failed on rank(s) {ranks}:"]
         for rank, err in self.failures.items():
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            lines.append(f"  rank {rank}: {type(err).__name__}: {first}")
+            lines.append(f"  rank {rank}: {type(err).__name__}: {first_line(err)}")
         super().__init__("\n".join(lines))
 
     def __reduce__(self):

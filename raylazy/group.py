@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from .actor import RankInfo, RankLoader, forget_rank
 from .errors import ConfigurationError, PlacementError, RankFailedError
 from .placement import describe_resources
-from .schedule import NodeGroups, group_by_node
 
 
 @dataclass
@@ -54,7 +53,7 @@ class RankGroup:
         the load: examples/autoscaling_experiment.py times each phase this way).
         """
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, RankLoader)):
@@ -72,8 +71,7 @@ class RankGroup:
                     pgs.append(ray.util.get_placement_group(pg_name))
                 except Exception:  # noqa: BLE001  (it was not created)
                     pass
-            for pg in pgs:
-                remove_placement_group(pg)
+            _remove(pgs)
             raise
         # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
         remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
@@ -93,8 +91,7 @@ class RankGroup:
         try:
             actors = list(create)
         except BaseException:  # e.g. a KeyboardInterrupt: removing the groups also kills the actors already created
-            for pg in pgs:
-                remove_placement_group(pg)
+            _remove(pgs)
             raise
         return cls(name, actors, pgs)
 
@@ -118,11 +115,6 @@ class RankGroup:
     @property
     def size(self) -> int:
         return len(self.actors)
-
-    @property
-    def nodes(self) -> NodeGroups:
-        """Which ranks share each node, and each rank's local rank (once the group is ready)."""
-        return group_by_node([info.node_id for info in self.ranks])
 
     def wait_ready(self, placement_timeout_s: float, timeout_s: float) -> list[RankInfo]:
         """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""
@@ -158,7 +150,7 @@ class RankGroup:
                 try:
                     results[rank] = ray.get(pending.pop(rank))
                 except Exception as e:  # noqa: BLE001  (a rank's failure, reported with all others)
-                    failures[rank] = _cause(e)
+                    failures[rank] = cause(e)
                     deadline = min(deadline, time.monotonic() + grace_s)
             if pending and time.monotonic() >= deadline:
                 if not failures:
@@ -187,14 +179,9 @@ class RankGroup:
         shards); idempotent, errors of what is already gone ignored. A Ctrl-C (SIGINT) arriving meanwhile is
         held until the release is done, then raised."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         with _sigint_deferred():
-            for pg in self.placement_groups:  # first: removing them also ends the actors in them
-                try:
-                    remove_placement_group(pg)
-                except Exception:  # noqa: BLE001  (already removed)
-                    pass
+            _remove(self.placement_groups)  # first: removing them also ends the actors in them
             dropping = []
             for a in self.actors:
                 try:
@@ -235,7 +222,18 @@ def _sigint_deferred():
         raise KeyboardInterrupt
 
 
-def _cause(e: Exception) -> BaseException:
+def _remove(pgs: list) -> None:
+    """Remove placement groups (those already removed are skipped)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for pg in pgs:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001  (already removed)
+            pass
+
+
+def cause(e: Exception) -> BaseException:
     """The rank's own exception when Ray wrapped it (RayTaskError), else Ray's error."""
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, BaseException) else e

@@ -83,7 +83,7 @@ class LoadedModel:
         transport = transport or self.options.transport
         if transport not in self._refs:
             self._refs[transport] = [_shards_method(a, _transport_for(transport, info.device)).remote()
-                                     for a, info in zip(self.actors, self.ranks)]
+                                     for a, info in zip(self.actors, self.group.ranks)]
         return self._refs[transport]
 
     def get(self, rank: int) -> dict:
@@ -112,7 +112,7 @@ class LoadedModel:
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp}"
             f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''}{replicas} "
-            f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.ranks})} node(s): {format_bytes(needed)} "
+            f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.group.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} from storage "
             f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas"

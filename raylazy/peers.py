@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Callable, Iterator
 
-from .errors import ConfigurationError, PeerFailedError, RankFailedError
+from .errors import ConfigurationError, PeerFailedError, RankFailedError, first_line
 from .io.common import Counter, ReadStats, shard_buffers
 from .mesh import Coord, Mesh
 from .options import LoadOptions
@@ -100,7 +100,7 @@ def receive_shards(source, plan: RankPlan, device: str, batch_bytes: int, transp
         raise PeerFailedError(
             f"rank {plan.rank}: copying its shards from a live replica failed after {counter.value} of "
             f"{sum(t.nbytes for t in plan.tensors)} bytes: {type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+            f"{first_line(e)}") from None
     finally:
         if group is not None:
             _destroy(group)
@@ -151,7 +151,7 @@ def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[
     whose copy fails read from storage instead (`_read_instead`). Returns every rank's ReadStats."""
     import ray
 
-    from .group import _cause
+    from .group import cause
 
     first = len(read)
     ranks = range(first, plan.mesh.size)
@@ -170,7 +170,7 @@ def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[
         try:
             stats[r] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001  (a failed copy: read from storage instead)
-            failed[r] = _cause(e)
+            failed[r] = cause(e)
     if failed:
         # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
         again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
@@ -184,15 +184,14 @@ def _read_instead(group, plan: Plan, opts: LoadOptions, ranks: list[int], failed
     first = next(iter(failed.values()))
     log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s from "
                 "storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)), plan.root)
-    reader = opts.reader.model_copy(update={"backend": "ranged"}) if opts.reader.backend != "fastsafetensors" else opts.reader
-    try:
-        stats = group.gather([group.actors[r].load.remote(plan.ranks[r], reader) for r in ranks], opts.timeout_s,
+    try:  # without a node task each rank reads alone (`read_rank`: node backends read ranged)
+        stats = group.gather([group.actors[r].load.remote(plan.ranks[r], opts.reader) for r in ranks], opts.timeout_s,
                              "load from storage")
     except RankFailedError as e:
         cause = next(iter(e.failures.values()))
         raise PeerFailedError(
             f"rank(s) {', '.join(map(str, failed))} could not copy their shards from a live replica "
             f"({type(first).__name__}: {first}), and reading them from storage ({plan.root}) failed too "
-            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}): load "
+            f"({type(cause).__name__}: {first_line(cause)}): load "
             "again from another live replica, or from storage once the checkpoint is reachable") from e
     return dict(zip(ranks, stats))
