@@ -17,7 +17,6 @@ read along the first and cut down in memory (the extra bytes count as read, not 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from math import ceil, prod
 from typing import Iterator, Mapping
@@ -33,7 +32,7 @@ from ..mesh import Mesh
 from ..placements import Piece, Slicing
 from ..planner import tensor_shard
 from ..plans import FileRef, RankPlan, TensorShard
-from ..io.backends import NODE_BACKENDS, get_backend
+from ..io.backends import NODE_BACKENDS, read_rank
 from ..io.common import ReadStats
 from ..options import ReaderOptions, validated
 
@@ -327,7 +326,6 @@ class Serving:
     def __init__(self, recording: Recording, files: tuple[FileRef, ...], options: LazyOptions = LazyOptions(),
                  device: str = "cpu"):
         self._files, self._options, self._device = files, options, device
-        self._backend = get_backend(options.backend)
         batch_bytes = options.batch_bytes if options.backend == "ranged" else float("inf")
         self._left = dict(recording.takes)
         self.stats = LazyStats(regions=len(self._left), bytes_needed=sum(r.nbytes for r in self._left),
@@ -370,9 +368,7 @@ class Serving:
         return RankPlan(rank=0, mesh=Mesh(), files=self._files, tensors=shards)
 
     def _read_regions(self, regions: list[Region]) -> dict[Region, object]:
-        t0 = time.perf_counter()
-        tensors, stats = self._backend.read(self._plan(regions), self._device, options=self._options.reader)
-        stats.seconds = time.perf_counter() - t0
+        tensors, stats = read_rank(self._plan(regions), self._device, options=self._options.reader)
         with self._cond:  # the reader thread and an unplanned take may both count
             self.stats.add_read(stats)
         return {r: r.trim(tensors[r.tensor.name]) for r in regions}
