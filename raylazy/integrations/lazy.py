@@ -394,28 +394,29 @@ class Serving:
     def take(self, region: Region, opaque: bool = False):
         """The region's bytes as a tensor (waits for its batch); a region not recorded is read on its own."""
         with self._cond:
-            b = self._batch_of.get(region)
-            if b is None or not self._left.get(region):
-                b = None
-            else:
-                self._wanted = max(self._wanted, b)
-                self._cond.notify_all()
-                while not self._batches[b].read and self._error is None:
-                    self._cond.wait()
-                if self._error is not None:
-                    raise self._error
-                self._left[region] -= 1
-                if self._left[region]:
-                    return self._ready[region]
-                tensor = self._ready.pop(region)
-                self._batches[b].left -= 1
-                if not self._batches[b].left:
-                    self._taken += 1
-                    self._cond.notify_all()
-                return tensor
+            if self._left.get(region):
+                return self._take_recorded(region)
         self.stats.unplanned_regions += 1
         self.stats.unplanned_bytes += region.nbytes
         return self._read_regions([region])[region]
+
+    def _take_recorded(self, region: Region):
+        """A recorded region with takes left (called holding the lock): waits for its batch, frees it on its last take."""
+        b = self._batch_of[region]
+        self._wanted = max(self._wanted, b)
+        self._cond.notify_all()
+        while not self._batches[b].read and self._error is None:
+            self._cond.wait()
+        if self._error is not None:
+            raise self._error
+        self._left[region] -= 1
+        if self._left[region]:
+            return self._ready[region]
+        self._batches[b].left -= 1
+        if not self._batches[b].left:
+            self._taken += 1
+            self._cond.notify_all()
+        return self._ready.pop(region)
 
     def copy_into(self, dst, region: Region):
         return dst.copy_(self.take(region))
