@@ -17,7 +17,6 @@ read along the first and cut down in memory (the extra bytes count as read, not 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from math import ceil, prod
 from typing import Iterator, Mapping
@@ -33,7 +32,7 @@ from ..mesh import Mesh
 from ..placements import Piece, Slicing
 from ..planner import tensor_shard
 from ..plans import FileRef, RankPlan, TensorShard
-from ..io.backends import NODE_BACKENDS, get_backend
+from ..io.backends import NODE_BACKENDS, read_rank
 from ..io.common import ReadStats
 from ..options import ReaderOptions, validated
 
@@ -327,7 +326,6 @@ class Serving:
     def __init__(self, recording: Recording, files: tuple[FileRef, ...], options: LazyOptions = LazyOptions(),
                  device: str = "cpu"):
         self._files, self._options, self._device = files, options, device
-        self._backend = get_backend(options.backend)
         batch_bytes = options.batch_bytes if options.backend == "ranged" else float("inf")
         self._left = dict(recording.takes)
         self.stats = LazyStats(regions=len(self._left), bytes_needed=sum(r.nbytes for r in self._left),
@@ -370,9 +368,7 @@ class Serving:
         return RankPlan(rank=0, mesh=Mesh(), files=self._files, tensors=shards)
 
     def _read_regions(self, regions: list[Region]) -> dict[Region, object]:
-        t0 = time.perf_counter()
-        tensors, stats = self._backend.read(self._plan(regions), self._device, options=self._options.reader)
-        stats.seconds = time.perf_counter() - t0
+        tensors, stats = read_rank(self._plan(regions), self._device, options=self._options.reader)
         with self._cond:  # the reader thread and an unplanned take may both count
             self.stats.add_read(stats)
         return {r: r.trim(tensors[r.tensor.name]) for r in regions}
@@ -398,28 +394,29 @@ class Serving:
     def take(self, region: Region, opaque: bool = False):
         """The region's bytes as a tensor (waits for its batch); a region not recorded is read on its own."""
         with self._cond:
-            b = self._batch_of.get(region)
-            if b is None or not self._left.get(region):
-                b = None
-            else:
-                self._wanted = max(self._wanted, b)
-                self._cond.notify_all()
-                while not self._batches[b].read and self._error is None:
-                    self._cond.wait()
-                if self._error is not None:
-                    raise self._error
-                self._left[region] -= 1
-                if self._left[region]:
-                    return self._ready[region]
-                tensor = self._ready.pop(region)
-                self._batches[b].left -= 1
-                if not self._batches[b].left:
-                    self._taken += 1
-                    self._cond.notify_all()
-                return tensor
+            if self._left.get(region):
+                return self._take_recorded(region)
         self.stats.unplanned_regions += 1
         self.stats.unplanned_bytes += region.nbytes
         return self._read_regions([region])[region]
+
+    def _take_recorded(self, region: Region):
+        """A recorded region with takes left (called holding the lock): waits for its batch, frees it on its last take."""
+        b = self._batch_of[region]
+        self._wanted = max(self._wanted, b)
+        self._cond.notify_all()
+        while not self._batches[b].read and self._error is None:
+            self._cond.wait()
+        if self._error is not None:
+            raise self._error
+        self._left[region] -= 1
+        if self._left[region]:
+            return self._ready[region]
+        self._batches[b].left -= 1
+        if not self._batches[b].left:
+            self._taken += 1
+            self._cond.notify_all()
+        return self._ready.pop(region)
 
     def copy_into(self, dst, region: Region):
         return dst.copy_(self.take(region))
