@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 from .errors import (
     CheckpointNotFoundError,
     DuplicateTensorError,
+    HeaderError,
     IndexFileError,
     MissingShardError,
     MissingTensorError,
@@ -114,7 +115,8 @@ def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, 
         names, weight_map = _discover(storage, root)
     else:
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    headers = tuple(read_header(storage.join(root, n), storage_options) for n in names)
+    index = storage.join(root, INDEX_NAME) if weight_map is not None else None
+    headers = tuple(_read_shard(storage, root, n, index, storage_options) for n in names)
     _cross_check(storage, root, names, headers, weight_map)
     return Checkpoint(root=root, files=headers, config=_read_config(storage, root))
 
@@ -126,10 +128,7 @@ def _discover(storage: Storage, root: str) -> tuple[list[str], dict[str, str] | 
         names = sorted(set(weight_map.values()))
         if not names:
             raise CheckpointNotFoundError(f"{index}: 'weight_map' names no tensors")
-        for n in names:
-            if not storage.is_file(storage.join(root, n)):
-                raise MissingShardError(f"{index}: shard {n!r} is not in {root}")
-        return names, weight_map
+        return names, weight_map  # each shard's existence is checked as its header is read (`_read_shard`)
     if storage.is_file(storage.join(root, SINGLE_NAME)):
         return [SINGLE_NAME], None
     names = sorted(n for n in storage.list(root) if n.endswith(".safetensors") and storage.is_file(storage.join(root, n)))
@@ -138,6 +137,19 @@ def _discover(storage: Storage, root: str) -> tuple[list[str], dict[str, str] | 
             f"{root}: no {INDEX_NAME}, no {SINGLE_NAME} and no *.safetensors files; point raylazy at a model directory"
         )
     return names, None
+
+
+def _read_shard(storage: Storage, root: str, name: str, index: str | None,
+                storage_options: Mapping[str, Any] | None) -> FileHeader:
+    """The header of shard `name`; one the index (`index`) names that is not a plain file is a MissingShardError.
+    Checked only when opening it fails: a separate look-up first would cost object storage a second HEAD per shard."""
+    path = storage.join(root, name)
+    try:
+        return read_header(path, storage_options)
+    except (OSError, HeaderError):
+        if index is not None and not storage.is_file(path):
+            raise MissingShardError(f"{index}: shard {name!r} is not in {root}") from None
+        raise
 
 
 def _read_index(storage: Storage, index: str) -> dict[str, str]:
@@ -186,10 +198,14 @@ def _cross_check(storage: Storage, root: str, names: list[str], headers: tuple[F
 
 def _read_config(storage: Storage, root: str) -> ModelConfig:
     path = storage.join(root, "config.json")
-    if not storage.is_file(path):
-        return ModelConfig()
     try:
-        raw = json.loads(_read_small(storage, path, ModelConfigError).decode("utf-8"))
+        data = _read_small(storage, path, ModelConfigError)
+    except ModelConfigError:  # no config.json (asked only now: object storage pays a HEAD per look-up)
+        if not storage.is_file(path):
+            return ModelConfig()
+        raise
+    try:
+        raw = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise ModelConfigError(f"{path}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     return ModelConfig.from_dict(raw, path)

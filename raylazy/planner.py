@@ -123,7 +123,7 @@ def with_replicas(plan: Plan, dp: int) -> Plan:
     """`plan` for `dp` replicas: replica r's rank plans are replica 0's (the plan's first ranks), with replica r's
     global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.peers`)."""
     per = plan.mesh.size // plan.mesh.dp
-    mesh = validated(PlanOptions, mesh=Mesh(**{**plan.mesh.shape, "dp": dp})).mesh
+    mesh = Mesh(**{**plan.mesh.shape, "dp": dp})  # a bad dp is Mesh's ConfigurationError
     ranks = tuple(RankPlan(rank=r * per + i, mesh=mesh, files=plan.files, tensors=rp.tensors)
                   for r in range(dp) for i, rp in enumerate(plan.ranks[:per]))
     return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
