@@ -104,7 +104,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({label}, rule {rule.pattern!r}): {e}") from None
-    files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest, version=f.version) for f in ckpt.files)
+    files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
         model_type=cfg.model_type,

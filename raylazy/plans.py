@@ -31,6 +31,11 @@ class FileRef(_Frozen):
     digest: str
     version: str = ""
 
+    @classmethod
+    def of(cls, header) -> "FileRef":
+        """The plan's reference to a file whose header was read (a `raylazy.header.FileHeader`)."""
+        return cls(uri=header.path, size=header.file_size, digest=header.digest, version=header.version)
+
 
 class Read(_Frozen):
     """`count` ranges of `length` bytes at file[offset + i*stride] -> shard[dst_offset + i*dst_stride]."""

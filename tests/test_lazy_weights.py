@@ -48,7 +48,7 @@ def tp_consumer(rank: int, tp: int):
 
 
 def _files(ckpt):
-    return tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest) for f in ckpt.files)
+    return tuple(map(FileRef.of, ckpt.files))
 
 
 def _two_runs(model_dir, consumer, options=LazyOptions()):

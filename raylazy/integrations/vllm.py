@@ -55,7 +55,7 @@ class RaylazyModelLoader(BaseModelLoader):
         ckpt = _checkpoint(model_config)
         recording = Recording()
         model.load_weights(lazy_weights(ckpt, recording))
-        files = tuple(FileRef(uri=f.path, size=f.file_size, digest=f.digest, version=f.version) for f in ckpt.files)
+        files = tuple(map(FileRef.of, ckpt.files))
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         serving_cls = _PeerServing if os.environ.get(PEER_BYTES_ENV) == str(rank) else Serving
         with serving_cls(recording, files, self.options) as serving:
