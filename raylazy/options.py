@@ -85,14 +85,20 @@ class ReaderOptions(BaseModel):
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
     queue_size: int = Field(0, ge=-1, le=64)
-    #: Threads issuing positional reads in each rank (ranged; cooperative: stripe reader threads).
+    #: Threads issuing positional reads in each rank (ranged; exchange: its stripe reader threads).
     threads: int = Field(4, ge=1, le=64)
+    #: cooperative: threads per rank that read the rank's stripes of its node's union into the page cache ahead of
+    #: the copies (each stripe once, one large request). 0: none; every rank copies its bytes straight out of its
+    #: mapping of the files, and the kernel's read-around brings each page in once for the node (measured faster
+    #: on CPUs here, docs/cooperative.md; stripe readers read exactly the union, where read-around reads past it).
+    stripe_readers: int = Field(0, ge=0, le=64)
     #: Largest window of a shard one read job fills; staging buffers have this size (ranged).
     chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
     #: cooperative: largest stripe a node's reader brings into the page cache in one go (nothing is staged;
-    #: before Linux 5.14 each reader thread stages one stripe: threads x stripe_bytes).
+    #: before Linux 5.14 each reader thread stages one stripe: stripe_readers x stripe_bytes).
     stripe_bytes: int = Field(DEFAULT_STRIPE_BYTES, ge=4096)
-    #: cooperative: a keeper waiting this long with no stripe of its becoming ready fails (its reader died).
+    #: cooperative with stripe readers: a keeper waiting this long with no stripe of its becoming ready fails (its
+    #: reader died).
     stripe_timeout_s: float = Field(300.0, gt=0)
     #: exchanged cooperative reads (raylazy.io.coop_exchange): most bytes a rank stages (stripes read ahead,
     #: their device copy, one round's sends and receives); too small for a rank's stripes: ConfigurationError.

@@ -42,7 +42,11 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
         queue.put((rp.rank, e))
 
 
-def run_nodes(plan, options=ReaderOptions(stripe_timeout_s=60), die=(), use_out=False, timeout=120) -> dict:
+#: Stripe readers (`ReaderOptions.stripe_readers`), for the tests of the ready map and its readers.
+READERS = ReaderOptions(stripe_readers=4, stripe_timeout_s=60)
+
+
+def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120) -> dict:
     """Run every rank of every scheduled node of `plan` as its own process; rank -> (shards, stats, same) or error."""
     queue, load_id = _FORK.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
     procs = [_FORK.Process(target=_rank, args=(rp, NodeTask(load_id, plan.node_of(rp.rank)), options, queue,
@@ -74,20 +78,22 @@ def _ok(results: dict) -> dict:
     return results
 
 
+@pytest.mark.parametrize("readers", (0, 4))
 @pytest.mark.parametrize("tp", (2, 4, 8))
-def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_dir, tp):
+def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_dir, tp, readers):
     plan = make_plan(model_dir, tp)
     for node_ids in (["n"] * tp, ["a", "b"] * (tp // 2)):
         scheduled = plan.for_nodes(node_ids, stripe_bytes=8192)
-        results = _ok(run_nodes(scheduled))
+        results = _ok(run_nodes(scheduled, ReaderOptions(stripe_readers=readers, stripe_timeout_s=60)))
         check_ranks(scheduled, [results[r][0] for r in range(tp)], model_dir)
         for node in scheduled.nodes:
             stats = [results[r][1] for r in node.ranks]
             assert sum(s.bytes_read for s in stats) == node.nbytes  # each byte of the node's union read once
-            assert sum(s.requests for s in stats) == len(node.stripes)
+            # without stripe readers the kernel reads (on the copies' page faults): no request is a rank's own
+            assert sum(s.requests for s in stats) == (len(node.stripes) if readers else 0)
             for r, s in zip(node.ranks, stats):
                 assert s.backend == "cooperative" and s.bytes_needed == scheduled.ranks[r].stats.bytes_needed
-                assert s.staging_bytes <= ReaderOptions().threads * 8192
+                assert s.staging_bytes <= readers * 8192
 
 
 def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
@@ -97,25 +103,27 @@ def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
 
     monkeypatch.setattr(coop, "_POPULATE", 0)  # the forked ranks inherit it
     plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
-    results = _ok(run_nodes(plan))
+    results = _ok(run_nodes(plan, READERS))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
     readers = [results[r][1] for r in range(4) if results[r][1].requests]
-    assert readers and all(0 < s.staging_bytes <= ReaderOptions().threads * 8192 for s in readers)
+    assert readers and all(0 < s.staging_bytes <= READERS.stripe_readers * 8192 for s in readers)
 
 
-def test_out_buffers_are_filled_in_place(llama_dir):
+@pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
+def test_out_buffers_are_filled_in_place(llama_dir, options):
     plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
-    results = _ok(run_nodes(plan, use_out=True))
+    results = _ok(run_nodes(plan, options, use_out=True))
     assert all(results[r][2] for r in range(4))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
 
 
-def test_file_changed_after_planning(llama_dir, tmp_path):
+@pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
+def test_file_changed_after_planning(llama_dir, tmp_path, options):
     d = str(shutil.copytree(llama_dir, tmp_path / "llama"))
     plan = make_plan(d, 2).for_nodes(["n"] * 2, stripe_bytes=8192)
     with open(plan.files[0].uri, "ab") as f:
         f.write(b"\0")
-    results = run_nodes(plan)
+    results = run_nodes(plan, options)
     assert all(isinstance(e, FileChangedError) for e in results.values()), results
     assert plan.files[0].uri in str(results[0]) and "plan again" in str(results[0])
 
@@ -123,7 +131,7 @@ def test_file_changed_after_planning(llama_dir, tmp_path):
 def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):
     plan = make_plan(llama_dir, 2).for_nodes(["n"] * 2, stripe_bytes=8192)
     t0 = time.monotonic()
-    results = run_nodes(plan, ReaderOptions(stripe_timeout_s=2), die={1})
+    results = run_nodes(plan, ReaderOptions(stripe_readers=4, stripe_timeout_s=2), die={1})
     err = results[0]
     assert isinstance(err, ReadError), err
     assert "rank 1" in str(err) and "not ready within 2 s" in str(err) and ".safetensors" in str(err)
@@ -166,14 +174,15 @@ def dying_reader(marker: str) -> type:
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("readers", (0, 4))
 @pytest.mark.parametrize("retries", (0, 2))
-def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, tmp_path, retries):
+def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, tmp_path, retries, readers):
     marker = str(tmp_path / "died")
     cls = dying_reader(marker)
     t0 = time.monotonic()
     if retries:
         with raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=retries,
-                          stripe_bytes=8192) as loaded:
+                          stripe_bytes=8192, stripe_readers=readers) as loaded:
             assert os.path.exists(marker)
             check_loaded(loaded, llama_dir)
     else:
@@ -181,7 +190,7 @@ def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, t
         before = maps()
         with pytest.raises(RankFailedError) as info:
             raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=0,
-                         stripe_timeout_s=20)
+                         stripe_timeout_s=20, stripe_readers=readers)
         assert 1 in info.value.failures and os.path.exists(marker)
         assert maps() == before  # the surviving rank removed the node's ready map the dead one left
     assert time.monotonic() - t0 < 120

@@ -41,7 +41,9 @@ RAY_LOADERS = {
     "raylazy-ranged": RayLoader({"backend": "ranged"}, ("threads", "chunk_bytes", "max_gap")),
     "raylazy-fst": RayLoader({"backend": "fastsafetensors", "nogds": True}),
     # the default ("auto"): ranks sharing a node read cooperatively; a rank alone on its node reads ranged
-    "raylazy-coop": RayLoader({"backend": "cooperative"}, ("threads", "max_gap"), alone={"backend": "ranged"}),
+    "raylazy-coop": RayLoader({"backend": "cooperative"}, alone={"backend": "ranged"}),
+    # cooperative with 4 stripe reader threads per rank filling the page cache ahead of the copies
+    "raylazy-coop-readers": RayLoader({"backend": "cooperative", "stripe_readers": 4}, alone={"backend": "ranged"}),
 }
 ALL_LOADERS = PROCESS_LOADERS[:4] + tuple(RAY_LOADERS) + ("raw",)
 

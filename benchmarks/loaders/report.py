@@ -9,7 +9,7 @@ import statistics
 
 from .impls import ALL_LOADERS as LOADER_ORDER
 COLORS = {"naive": "#888888", "lazy": "#bbbbbb", "fastsafetensors": "#1f77b4", "runai": "#9467bd",
-          "raylazy-ranged": "#d62728", "raylazy-fst": "#ff9896", "raylazy-coop": "#ff7f0e", "raw": "#2ca02c"}
+          "raylazy-ranged": "#d62728", "raylazy-fst": "#ff9896", "raylazy-coop": "#ff7f0e", "raylazy-coop-readers": "#ffbb78", "raw": "#2ca02c"}
 
 
 def scenario(row) -> str:

@@ -1,14 +1,22 @@
-"""Cooperative reads on the CPU: a node's ranks read its stripes from storage once, into the page cache,
-and each copies the bytes it keeps out of a memory map of the files.
+"""Cooperative reads on the CPU: a node's ranks bring its union from storage once, into the page cache, and
+each copies the bytes it keeps out of a memory map of the files.
 
-Every rank of a node gets the node's `NodeSchedule` and a load id (`NodeTask`). As a reader, a rank
-reads its stripes (one contiguous run of the node's union) with `options.threads` threads into the page
-cache (madvise MADV_POPULATE_READ on a mapping: large requests, nothing copied, nothing staged; before
-Linux 5.14, one read per stripe into a scratch buffer per thread: threads x stripe_bytes staged), and marks
-each stripe ready in the node's ready map. As a keeper, it copies its keeps (`rank_keeps`)
-out of a private read-only mapping of each file (`mmap`, which shares the page cache's pages: nothing is
-read twice from storage) into its shards as soon as their stripe is ready, while its own stripes are
-still being read: one vectorised strided copy per keep, no per-row system call.
+Every rank of a node gets the node's `NodeSchedule` and a load id (`NodeTask`). As a keeper, a rank copies
+its keeps (`rank_keeps`) out of a private read-only mapping of each file (`mmap`, which shares the page
+cache's pages: nothing is read twice from storage) into its shards: one vectorised strided copy per keep,
+no per-row system call. Who reads storage depends on `options.stripe_readers`:
+
+- 0 (the default): nobody but the kernel. Each keeper copies all its keeps at once, in stripe order, and
+  its page faults read the pages, with the kernel's read-around (large requests; a page another rank of
+  the node faulted in is not read again). Measured on CPUs here, this is as fast as naive loading and the
+  fastest of the two (docs/cooperative.md); it may read up to a read-around window past the union's edges.
+- n > 0: stripe readers. A rank reads its stripes (one contiguous run of the node's union) with n threads
+  into the page cache (madvise MADV_POPULATE_READ on a mapping: large requests, exactly the union,
+  nothing copied, nothing staged; before Linux 5.14, one read per stripe into a scratch buffer per thread:
+  n x stripe_bytes staged), and marks each stripe ready in the node's ready map; a keeper copies a keep as
+  soon as its stripe is ready, while its own stripes are still being read.
+
+The rest of this docstring is about stripe readers.
 
 The ready map is a file in /dev/shm (the temporary directory where there is none) named from the load id
 and the node: a 16-byte header (ranks done, number of stripes) and one byte per stripe (0 pending,
@@ -85,46 +93,51 @@ def read_rank_cooperative(
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
-    used = sorted({sched.stripes[i].file for i in mine} | {k.part.read.file for k in keeps})
+    readers = options.stripe_readers  # the same for every rank of the node: the driver gives them one ReaderOptions
+    used = sorted({k.part.read.file for k in keeps} | ({sched.stripes[i].file for i in mine} if readers else set()))
     sources: dict[int, Source] = {}
-    ready = ReadyMap(node.load_id, sched)
+    ready = ReadyMap(node.load_id, sched) if readers else None
+    threads = max(1, min(readers, len(mine)))
     try:
         try:
             for f in used:
                 sources[f] = _open_local(plan, f)
-            threads = max(1, min(options.threads, len(mine)))
             size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
             stop = threading.Event()
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
                 todo = iter(mine)
-                readers = [pool.submit(_read_stripes, plan, sched, todo, sources, ready, size, stop)
-                           for _ in range(threads)] if mine else []
+                pending = [pool.submit(_read_stripes, plan, sched, todo, sources, ready, size, stop)
+                           for _ in range(threads)] if readers and mine else []
                 try:
                     # The node's ranks share its cores: torch's intra-op threads would only oversubscribe them
                     # (measured, tp=4 on 2 cores, cold: 2.9 s with 2 threads per rank, 1.5 s with 1).
                     intra_op = torch.get_num_threads()
                     torch.set_num_threads(1)
                     try:
-                        _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, readers,
+                        _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, pending,
                               options.stripe_timeout_s)
                     finally:
                         torch.set_num_threads(intra_op)
-                    for f in readers:
+                    for f in pending:
                         f.result()
                 finally:
                     stop.set()  # on failure the reader threads stop after their current stripe
         except BaseException:
-            ready.fail(mine)  # peers waiting for this rank's stripes fail at once instead of timing out
+            if ready is not None:
+                ready.fail(mine)  # peers waiting for this rank's stripes fail at once instead of timing out
             raise
     finally:
         for source in sources.values():
             source.close()
-        ready.done()
+        if ready is not None:
+            ready.done()
     stats.bytes_needed = counter.value
+    # the rank's share of its node's union as scheduled (the node reads the union once: its readers, or the
+    # kernel on the copies' page faults when there are none, whose requests are not the rank's own)
     stats.bytes_read = sum(sched.stripes[i].end - sched.stripes[i].start for i in mine)
-    stats.requests = len(mine)
+    stats.requests = len(mine) if readers else 0
     stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
-    stats.staging_buffers = threads if mine and not _POPULATE else 0  # populating the page cache stages nothing
+    stats.staging_buffers = threads if readers and mine and not _POPULATE else 0  # populating stages nothing
     stats.staging_bytes = stats.staging_buffers * size
     stats.seconds = time.perf_counter() - t0
     return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
@@ -191,12 +204,18 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
             mm.close()
 
 
-def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: "ReadyMap", buffers, counter,
-          readers: list, timeout_s: float) -> None:
-    """Copy every keep into its shard as soon as its stripe is ready (in whatever order stripes become ready)."""
+def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: "ReadyMap | None", buffers,
+          counter, readers: list, timeout_s: float) -> None:
+    """Copy every keep into its shard as soon as its stripe is ready (in whatever order stripes become ready);
+    with no ready map (no stripe readers), every keep at once, in stripe order."""
     import numpy as np
 
     maps = {f: _mapped(torch, s) for f, s in sources.items()}
+    if ready is None:  # the copies' page faults read the pages, each once for the node (the page cache)
+        for k in keeps:
+            _copy(buffers[k.tensor][0], maps[k.part.read.file], k.part)
+            counter.add(k.part.bytes_needed)
+        return
     by_stripe: dict[int, list] = {}
     for k in keeps:
         by_stripe.setdefault(k.stripe, []).append(k)
