@@ -148,7 +148,9 @@ class RankPlan(_Frozen):
 
 
 class Stripe(NamedTuple):
-    """Bytes [start, end) of plan file `file`, read once on its node by global rank `reader`."""
+    """Bytes [start, end) of plan file `file`, read once on its node by global rank `reader` (the exchange, and
+    cooperative stripe readers; without stripe readers the page cache reads it and `reader` is the rank whose
+    share of the node's union it counts in)."""
 
     file: int
     start: int
