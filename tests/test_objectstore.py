@@ -207,7 +207,7 @@ def test_load_from_s3(ray_local, s3, s3_llama, llama_dir, backend):
         counts = s3.reset()
         check_loaded(loaded, llama_dir)
         files = shard_files(llama_dir)
-        checks = {f"bytes=0-7"} | {f"bytes=8-{header_bytes(os.path.join(llama_dir, n)) - 1}" for n in files}
+        checks = {"bytes=0-7"} | {f"bytes=8-{header_bytes(os.path.join(llama_dir, n)) - 1}" for n in files}
         data = [g for g in counts.gets("/llama/") if g.path.endswith(".safetensors") and g.range not in checks]
         if backend == "auto":  # two ranks on one node: each stripe fetched once for both, as one request
             assert {s.backend for s in loaded.stats} == {"exchange"}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from checkpoints import reference_tensors
-from planlib import apply_reads, as_bytes, read_files, read_ranges, reference_shard
+from planlib import apply_reads, as_bytes, read_ranges, reference_shard
 from raylazy.checkpoint import Checkpoint, ModelConfig
 from raylazy.dtypes import DTYPE_BITS
 from raylazy.errors import (
