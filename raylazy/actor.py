@@ -151,16 +151,19 @@ class RankMixin:
         before anything is written. On a failure after that the rank holds nothing valid (NoShardsError)."""
         return self._read(plan, options, node, in_place=True)
 
-    def receive(self, source, plan: RankPlan, options: ReaderOptions, transport: str = "object_store") -> ReadStats:
+    def receive(self, source, plan: RankPlan, options: ReaderOptions, transport: str = "object_store",
+                in_place: bool = False) -> ReadStats:
         """Copy this rank's shards from `source`, the rank actor with the same stage and tp rank in a live replica
-        (`raylazy.peers`, in batches of `options.staging_budget` bytes), instead of reading storage. On failure
-        (a PeerFailedError) nothing is kept; restarted later, the rank reads `plan` from storage with `options`."""
+        (`raylazy.peers`, in batches of `options.staging_budget` bytes), instead of reading storage; `in_place`
+        (a reload): into the shards it holds, as `reload` does. On failure (a PeerFailedError) nothing is kept
+        (nothing valid, in place); restarted later, the rank reads `plan` from storage with `options`."""
         from .peers import receive_shards
 
-        state = self._begin(in_place=False)
+        out = self._held_buffers(plan) if in_place else None
+        state = self._begin(in_place)
         state.landed = {}
         shards, stats = receive_shards(source, plan, state.info.device, options.staging_budget, transport,
-                                       state.progress.add, state.landed)
+                                       state.progress.add, state.landed, out)
         self._hold(state, shards, plan, options)
         return stats
 
@@ -218,20 +221,26 @@ class RankMixin:
         return self._raylazy
 
     def _read(self, plan: RankPlan, options: ReaderOptions, node, in_place: bool) -> ReadStats:
-        import torch
-
         from .io.backends import read_rank
-        from .io.common import check_buffers
 
-        state = self._rank()
-        out = state.shards if in_place else None
-        if out is not None:  # a mismatch leaves the shards as they were
-            check_buffers(plan, torch.device(state.info.device), out)
+        out = self._held_buffers(plan) if in_place else None
         state = self._begin(in_place)
         shards, stats = read_rank(plan, state.info.device, options=options, node=node,
                                   on_progress=state.progress.add, out=out)
         self._hold(state, shards, plan, options)
         return stats
+
+    def _held_buffers(self, plan: RankPlan) -> dict | None:
+        """The shards this rank holds, to be filled in place with `plan` (None: it holds none, e.g. a restarted
+        process); a plan whose shards do not fit them is a BufferMismatchError, and leaves them as they were."""
+        import torch
+
+        from .io.common import check_buffers
+
+        state = self._rank()
+        if state.shards is not None:
+            check_buffers(plan, torch.device(state.info.device), state.shards)
+        return state.shards
 
     def _begin(self, in_place: bool) -> _RankState:
         """From here the shards may be written: nothing is valid (nor read again on a restart) until `_hold`."""

@@ -127,7 +127,8 @@ class LoadedModel:
         LayoutMismatchError before any byte is written. A failure while the ranks read is one
         RankFailedError; ranks that failed hold nothing valid (NoShardsError) until a load or reload
         succeeds, and the others hold the new checkpoint. `plan`, `stats` and `seconds` describe the last
-        successful reload. The ranks are not released on failure; do not reload while `run` calls use the
+        successful reload. With replicas, replica 0's ranks read from storage and the others copy from them, in
+        place (as `load` does). The ranks are not released on failure; do not reload while `run` calls use the
         shards. Returns self.
         """
         if not self.actors:
@@ -140,7 +141,7 @@ class LoadedModel:
         check_same_layout(self.plan, plan)
         self._refs = {}
         self.group.refresh(self.options.timeout_s, "reload")  # a restarted rank may be on another node now
-        self.plan, self.stats = read_ranks(self.group, plan, self.options, "reload")
+        self.plan, self.stats = _fill(self.group, plan, self.options, None, "reload")
         self.rules, self.seconds = rules, time.perf_counter() - t0
         log.info("%s", self.summary())
         return self
@@ -225,18 +226,27 @@ def load(
                 else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
         check_backend(opts.reader.backend, plan.ranks)
         group.wait_ready(place.placement_timeout_s, opts.timeout_s)
-        read = []
-        if source is None:  # replica 0 reads from storage; its node schedules (if any) are the load's
-            scheduled, read = read_ranks(group, plan.model_copy(update={"ranks": plan.ranks[: mesh.size // mesh.dp]}),
-                                          opts, "load")
-            plan = plan.model_copy(update={"nodes": scheduled.nodes})
-        stats = copy_from_replicas(group, plan, opts, source, read)
+        plan, stats = _fill(group, plan, opts, source, "load")
     except BaseException:
         group.release()
         raise
     loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0, rules=rules)
     log.info("%s", loaded.summary())
     return loaded
+
+
+def _fill(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,
+          method: str) -> tuple[Plan, list[ReadStats]]:
+    """The ranks get `plan`'s shards: replica 0's read them from storage (`method`: "load", or "reload" into the
+    shards they hold), unless `source` (a live LoadedModel) gives every rank its shards; the other replicas copy
+    theirs from a live replica (in place for a reload). Returns the plan as read (with replica 0's node
+    schedules, if any) and every rank's ReadStats."""
+    read = []
+    if source is None:
+        first = plan.mesh.size // plan.mesh.dp
+        scheduled, read = read_ranks(group, plan.model_copy(update={"ranks": plan.ranks[:first]}), opts, method)
+        plan = plan.model_copy(update={"nodes": scheduled.nodes})
+    return plan, copy_from_replicas(group, plan, opts, source, read, in_place=method == "reload")
 
 
 def _replicated(model_dir, tp, pp, mesh, rules, replicas: int, source: LoadedModel | None) -> tuple:

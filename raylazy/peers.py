@@ -61,9 +61,11 @@ def batches(plan: RankPlan, batch_bytes: int) -> Iterator[list[TensorShard]]:
 
 
 def receive_shards(source, plan: RankPlan, device: str, batch_bytes: int, transport: str = "object_store",
-                   on_progress: Callable[[int], None] | None = None, landed: dict | None = None) -> tuple[dict, ReadStats]:
+                   on_progress: Callable[[int], None] | None = None, landed: dict | None = None,
+                   out: dict | None = None) -> tuple[dict, ReadStats]:
     """In a receiving rank's actor: copy every shard of `plan` from the actor `source` (its `peer_shards`)
-    into new tensors on `device`; returns ({name: tensor}, ReadStats). A failure is a PeerFailedError.
+    into new tensors on `device`, or into `out` ({name: tensor}, the shards held: filled in place);
+    returns ({name: tensor}, ReadStats). A failure is a PeerFailedError.
 
     A two-sided direct transport (NCCL, gloo) delivers tensors only as a task's argument: each batch is
     handed to this actor's own `land` (which puts it in `landed`, the actor's dict, under the batch's number)."""
@@ -72,7 +74,8 @@ def receive_shards(source, plan: RankPlan, device: str, batch_bytes: int, transp
 
     counter = Counter(on_progress)
     stats = ReadStats(backend=BACKEND, device=device, bytes_needed=plan.stats.bytes_needed)
-    buffers = dict(zip((t.name for t in plan.tensors), (out for _, out in shard_buffers(torch, plan, device, None))))
+    held = shard_buffers(torch, plan, torch.device(device), out)
+    buffers = dict(zip((t.name for t in plan.tensors), (b for _, b in held)))
     start = time.perf_counter()
     todo = list(batches(plan, batch_bytes))
     group = None
@@ -145,10 +148,12 @@ def _destroy(group) -> None:
         pass
 
 
-def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[ReadStats]) -> list[ReadStats]:
+def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[ReadStats],
+                       in_place: bool = False) -> list[ReadStats]:
     """On the driver: the ranks of `group` after those that `read` from storage copy their shards from a live
     replica's rank with their coordinates (in `source`, a live LoadedModel, else in replica 0 of `group`); those
-    whose copy fails read from storage instead (`_read_instead`). Returns every rank's ReadStats."""
+    whose copy fails read from storage instead (`_read_instead`). `in_place` (a reload): into the shards they
+    hold. Returns every rank's ReadStats."""
     import ray
 
     from .group import cause
@@ -164,7 +169,7 @@ def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[
     transport = peer_transport(opts.peer_transport, "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
     deadline = time.monotonic() + opts.timeout_s
     stats, failed = dict(enumerate(read)), {}
-    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport)
+    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport, in_place)
             for r, s in zip(ranks, feeds)}
     for r, ref in refs.items():
         try:
@@ -174,19 +179,20 @@ def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[
     if failed:
         # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
         again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
-        stats.update(_read_instead(group, plan, opts, again, failed))
+        stats.update(_read_instead(group, plan, opts, again, failed, "reload" if in_place else "load"))
     return [stats[r] for r in range(plan.mesh.size)]
 
 
-def _read_instead(group, plan: Plan, opts: LoadOptions, ranks: list[int], failed: dict) -> dict:
-    """Ranks whose copy from a live replica failed read their shards from storage, each alone; when that fails
-    too (the checkpoint is gone), one PeerFailedError naming both causes. Returns rank -> ReadStats."""
+def _read_instead(group, plan: Plan, opts: LoadOptions, ranks: list[int], failed: dict, method: str) -> dict:
+    """Ranks whose copy from a live replica failed read their shards from storage, each alone, with `method`
+    ("load" or "reload"); when that fails too (the checkpoint is gone), one PeerFailedError naming both causes.
+    Returns rank -> ReadStats."""
     first = next(iter(failed.values()))
     log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s from "
                 "storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)), plan.root)
     try:  # without a node task each rank reads alone (`read_rank`: node backends read ranged)
-        stats = group.gather([group.actors[r].load.remote(plan.ranks[r], opts.reader) for r in ranks], opts.timeout_s,
-                             "load from storage")
+        stats = group.gather([getattr(group.actors[r], method).remote(plan.ranks[r], opts.reader) for r in ranks],
+                             opts.timeout_s, f"{method} from storage")
     except RankFailedError as e:
         cause = next(iter(e.failures.values()))
         raise PeerFailedError(

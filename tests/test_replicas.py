@@ -22,6 +22,7 @@ from raylazy.errors import ConfigurationError, PeerFailedError
 from raylazy.mesh import Coord, Mesh
 from raylazy.planner import make_plan
 
+from checkpoints import build_checkpoint
 from raytest import assert_no_leaks, check_rank, digest, live
 
 try:  # actor classes defined here travel by value: workers need not import this file
@@ -70,12 +71,21 @@ class CountingLoader(RankLoader):
         self.loads += 1
         return super().load(plan, options, node)
 
+    def reload(self, plan, options, node=None):
+        self.loads += 1
+        return super().reload(plan, options, node)
+
     def peer_shards(self, names):
         self.served += 1
         return super().peer_shards(names)
 
     def counts(self) -> tuple[int, int]:
         return self.loads, self.served
+
+
+def pointers(rank: int, shards: dict) -> dict:
+    """Run in a rank (`loaded.run`): each shard tensor's data_ptr."""
+    return {name: t.data_ptr() for name, t in shards.items()}
 
 
 class SlowSource(CountingLoader):
@@ -134,6 +144,24 @@ class TestReplicas:
         finally:
             loaded.release()
         assert_no_leaks(before, "a replicated load")
+
+    def test_reload_reads_storage_once_and_copies_into_the_replicas_shards(self, two_node_cluster, llama_dir,
+                                                                          tmp_path):
+        import ray
+
+        other = build_checkpoint("llama", tmp_path / "llama_b", seed=7)
+        with _load(llama_dir, tp=2, replicas=2, backend="ranged") as loaded:
+            ptrs = ray.get(loaded.run(pointers), timeout=120)
+            assert loaded.reload(other) is loaded
+            for rp, s in zip(loaded.plan.ranks, ray.get(loaded.refs(), timeout=120)):
+                check_rank(rp, s, other)
+            assert ray.get(loaded.run(pointers), timeout=120) == ptrs, "a reload must not allocate, replicas included"
+            counts = ray.get([a.counts.remote() for a in loaded.actors])
+            assert [c[0] for c in counts] == [2, 2, 0, 0], counts  # replica 0 read both checkpoints, replica 1 none
+            st = loaded.stats
+            assert [s.backend for s in st[2:]] == ["replica"] * 2 and [s.bytes_read for s in st[2:]] == [0, 0]
+            assert [s.bytes_from_replica for s in st[2:]] == [sum(t.nbytes for t in rp.tensors)
+                                                              for rp in loaded.plan.ranks[2:]]
 
     def test_cli_load_with_replicas(self, two_node_cluster, llama_dir, capsys):
         from raylazy import cli
