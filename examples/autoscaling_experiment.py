@@ -177,9 +177,9 @@ class TimedRankLoader(RankLoader):
         self.read_span = (start, time.time())
         return stats
 
-    def receive(self, source, plan, options, transport="object_store"):
+    def receive(self, source, plan, options, transport="object_store", in_place=False):
         start = time.time()
-        stats = super().receive(source, plan, options, transport)
+        stats = super().receive(source, plan, options, transport, in_place)
         self.read_span = (start, time.time())
         return stats
 

@@ -169,7 +169,8 @@ def copy_from_replicas(group, plan: Plan, opts: LoadOptions, source, read: list[
     transport = peer_transport(opts.peer_transport, "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
     deadline = time.monotonic() + opts.timeout_s
     stats, failed = dict(enumerate(read)), {}
-    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport, in_place)
+    in_place_kw = {"in_place": True} if in_place else {}  # only reloads pass it: an older `receive` override still loads
+    refs = {r: group.actors[r].receive.remote(held.actors[s], plan.ranks[r], opts.reader, transport, **in_place_kw)
             for r, s in zip(ranks, feeds)}
     for r, ref in refs.items():
         try:
