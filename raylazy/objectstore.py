@@ -42,7 +42,7 @@ import obstore
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import from_url
 
-from .errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, StorageAccessError
+from .errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, StorageAccessError, first_line
 from .storage import NotAFileError, Source, Storage
 
 #: Default `max_gap` for checkpoints in object storage: row gaps up to 1 MiB are read through. A request costs
@@ -252,7 +252,7 @@ def _cut(views: list[memoryview], ends: list[int], start: int, end: int) -> list
 
 
 def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:400]
+    return (first_line(e) or type(e).__name__)[:400]
 
 
 def _os_error(e: Exception, uri: str) -> OSError:

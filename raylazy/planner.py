@@ -72,8 +72,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
     chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
     coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
-    ranks_of = [[[r for r, c in enumerate(coords) if (c["pp"], c["tp"]) == (s, k)] for k in range(mesh.tp)]
-                for s in range(mesh.pp)]  # stage -> tp rank -> its global ranks
+    rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     stages = _stages(ckpt, opts, all_rules, [n for n, rule in chosen.items() if rule.placement.loaded])
     labels = {id(r): r.placement.describe() for r in all_rules}
 
@@ -93,8 +92,8 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
         whole = None  # one shard object shared by every rank that gets the whole tensor
         try:
             for s in stages.get(t.name, (0,)):
-                holders = placement.holders(t.shape, context(ranks_of[s][0][0], t.name))
-                for r in (r for k in (range(mesh.tp) if holders is None else holders) for r in ranks_of[s][k]):
+                holders = placement.holders(t.shape, context(rank_of[s][0], t.name))
+                for r in (rank_of[s][k] for k in (range(mesh.tp) if holders is None else holders)):
                     slicing = placement.slicing(t.shape, context(r, t.name))
                     if slicing is None:
                         whole = whole or tensor_shard(fi, t, label, None, opts.max_gap)

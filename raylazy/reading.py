@@ -30,7 +30,8 @@ def read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> 
     try:
         return plan, wait_with_progress(group, calls, plan, opts)
     except BaseException:
-        _forget_ready_maps(group, tasks)
+        if opts.reader.stripe_readers:  # only stripe readers keep a ready map
+            _forget_ready_maps(group, tasks)
         raise
 
 

@@ -32,7 +32,7 @@ from ..mesh import Mesh
 from ..placements import Piece, Slicing
 from ..planner import tensor_shard
 from ..plans import FileRef, RankPlan, TensorShard
-from ..io.backends import NODE_BACKENDS, read_rank
+from ..io.backends import NODE_BACKENDS, read_rank, solo_backend
 from ..io.common import ReadStats
 from ..options import ReaderOptions, validated
 
@@ -55,7 +55,7 @@ class LazyOptions(BaseModel):
 
     @property
     def backend(self) -> str:
-        return "ranged" if self.reader.backend == "auto" else self.reader.backend
+        return solo_backend(self.reader.backend)
 
 
 def lazy_options(options: Mapping | None) -> LazyOptions:
@@ -94,7 +94,7 @@ class Region:
     def narrow(self, dim: int, start: int, length: int) -> "Region":
         """The region of `torch.narrow(self, dim, start, length)` (its errors, too)."""
         ndim = len(self.sizes)
-        if not -ndim <= dim < ndim or ndim == 0:
+        if not -ndim <= dim < ndim:
             raise IndexError(f"{self.tensor.name}: dimension {dim} out of range for a {ndim}-d tensor")
         dim %= ndim
         size = self.sizes[dim]

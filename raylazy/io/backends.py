@@ -70,6 +70,12 @@ def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) 
     return name
 
 
+def solo_backend(name: str) -> str:
+    """The backend a rank reading alone (no node task) uses for the requested `name`: "auto" and the node
+    backends read "ranged", the others themselves."""
+    return "ranged" if name == "auto" or name in NODE_BACKENDS else name
+
+
 def read_rank(
     plan: RankPlan,
     device: str = "cpu",
@@ -88,10 +94,7 @@ def read_rank(
     BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
     bytes land. Raises on any failure; a shard of `out` may then be partly overwritten.
     """
-    backend = options.backend
-    if node is None:
-        backend = backend_for(backend, 1, device, plan.files)
-        backend = "ranged" if backend in NODE_BACKENDS else backend
+    backend = options.backend if node is not None else solo_backend(options.backend)
     return get_backend(backend).read(plan, device, options=options, on_progress=on_progress, out=out,
                                      **({"node": node} if node is not None else {}))
 

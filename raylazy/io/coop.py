@@ -93,35 +93,37 @@ def read_rank_cooperative(
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
-    readers = options.stripe_readers  # the same for every rank of the node: the driver gives them one ReaderOptions
-    used = sorted({k.part.read.file for k in keeps} | ({sched.stripes[i].file for i in mine} if readers else set()))
+    threads = min(options.stripe_readers, len(mine))  # this rank's stripe readers (none: the kernel reads)
+    used = sorted({k.part.read.file for k in keeps} | ({sched.stripes[i].file for i in mine} if threads else set()))
     sources: dict[int, Source] = {}
-    ready = ReadyMap(node.load_id, sched) if readers else None
-    threads = max(1, min(readers, len(mine)))
+    # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
+    ready = ReadyMap(node.load_id, sched) if options.stripe_readers else None
+    size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
     try:
         try:
             for f in used:
                 sources[f] = _open_local(plan, f)
-            size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
             stop = threading.Event()
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
+            pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") if threads else None
+            try:
                 todo = iter(mine)
                 pending = [pool.submit(_read_stripes, plan, sched, todo, sources, ready, size, stop)
-                           for _ in range(threads)] if readers and mine else []
+                           for _ in range(threads)]
+                # The node's ranks share its cores: torch's intra-op threads would only oversubscribe them
+                # (measured, tp=4 on 2 cores, cold: 2.9 s with 2 threads per rank, 1.5 s with 1).
+                intra_op = torch.get_num_threads()
+                torch.set_num_threads(1)
                 try:
-                    # The node's ranks share its cores: torch's intra-op threads would only oversubscribe them
-                    # (measured, tp=4 on 2 cores, cold: 2.9 s with 2 threads per rank, 1.5 s with 1).
-                    intra_op = torch.get_num_threads()
-                    torch.set_num_threads(1)
-                    try:
-                        _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, pending,
-                              options.stripe_timeout_s)
-                    finally:
-                        torch.set_num_threads(intra_op)
-                    for f in pending:
-                        f.result()
+                    _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, pending,
+                          options.stripe_timeout_s)
                 finally:
-                    stop.set()  # on failure the reader threads stop after their current stripe
+                    torch.set_num_threads(intra_op)
+                for f in pending:
+                    f.result()
+            finally:
+                stop.set()  # on failure the reader threads stop after their current stripe
+                if pool is not None:
+                    pool.shutdown()
         except BaseException:
             if ready is not None:
                 ready.fail(mine)  # peers waiting for this rank's stripes fail at once instead of timing out
@@ -135,9 +137,9 @@ def read_rank_cooperative(
     # the rank's share of its node's union as scheduled (the node reads the union once: its readers, or the
     # kernel on the copies' page faults when there are none, whose requests are not the rank's own)
     stats.bytes_read = sum(sched.stripes[i].end - sched.stripes[i].start for i in mine)
-    stats.requests = len(mine) if readers else 0
+    stats.requests = len(mine) if threads else 0
     stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
-    stats.staging_buffers = threads if readers and mine and not _POPULATE else 0  # populating stages nothing
+    stats.staging_buffers = threads if not _POPULATE else 0  # populating the page cache stages nothing
     stats.staging_bytes = stats.staging_buffers * size
     stats.seconds = time.perf_counter() - t0
     return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
