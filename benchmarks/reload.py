@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from .loaders.__main__ import gate
 from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
-from .loaders.impls import load_naive, proc_status
+from .loaders.impls import load_naive, proc_status, reset_peak_rss
 from .loaders.pagecache import evict
 
 
@@ -45,16 +44,10 @@ class NaiveWorker:
         import torch
 
         self.shards = None
-        reset_peak(os.getpid())
+        reset_peak_rss()
         t0 = time.perf_counter()
         self.shards = load_naive(torch, rank_plan, files)
         return {"seconds": time.perf_counter() - t0, **proc_status()}
-
-
-def reset_peak(pid: int) -> None:
-    """Start the process's peak RSS (VmHWM) afresh from its current RSS."""
-    with open(f"/proc/{pid}/clear_refs", "w") as fh:
-        fh.write("5")
 
 
 def _memory(pids: list[int]) -> dict:
@@ -93,7 +86,7 @@ def run(tp: int, dirs: list[str], reloads: int) -> list[dict]:
     for i, model_dir in enumerate(sequence):
         _cold(model_dir)
         for p in pids:
-            reset_peak(p)
+            reset_peak_rss(p)
         t = time.perf_counter()
         loaded.reload(model_dir)
         e2e = time.perf_counter() - t

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
+from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "fastsafetensors", "runai_streamer")
@@ -40,8 +41,7 @@ SPEC = ModelSpec(layers=3)
 
 
 def _read_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/io") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("read_bytes:"))
+    return proc_io(pid)["read_bytes"]
 
 
 def one(model: str, load_format: str, tp: int) -> dict:

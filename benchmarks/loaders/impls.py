@@ -261,10 +261,10 @@ def snapshot() -> dict:
             "rss": st.get("VmRSS", 0)}
 
 
-def reset_peak_rss() -> bool:
-    """Reset VmHWM (peak RSS) of this process to its current RSS; False if the kernel refuses."""
+def reset_peak_rss(pid: str | int = "self") -> bool:
+    """Reset VmHWM (peak RSS) of a process to its current RSS; False if the kernel refuses."""
     try:
-        with open("/proc/self/clear_refs", "w") as fh:
+        with open(f"/proc/{pid}/clear_refs", "w") as fh:
             fh.write("5")
         return True
     except OSError:
