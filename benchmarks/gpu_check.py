@@ -10,7 +10,7 @@ caches its own) at tp = number of GPUs with:
 - ranged: raylazy's per-rank reader onto the rank's GPU (pinned staging, its own ranges only);
 - fastsafetensors: raylazy's fastsafetensors backend onto the rank's GPU (nogds when several ranks);
 - exchange: cooperative reads, stripe -> pinned buffer -> the reader's GPU -> NCCL to the keepers
-  (`raylazy.io.coop_exchange`; the NCCL setup is inside the time).
+  (`raylazy.io.exchange`; the NCCL setup is inside the time).
 
 Each is run cold (the files' pages evicted with POSIX_FADV_DONTNEED first) unless --warm. Time is the slowest
 rank's, from a barrier all ranks pass; GB/s is the checkpoint's bytes over that time. It prints a table and
@@ -73,11 +73,11 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
     import raylazy
     from benchmarks.loaders.checkpoint import checkpoint_files
     from benchmarks.loaders.impls import load_raw
-    from raylazy.io.coop_exchange import ExchangeTask, read_rank_exchanged
+    from raylazy.core.options import ReaderOptions
+    from raylazy.core.schedule import node_schedule
+    from raylazy.io.collective import ExchangeTask, read_rank_exchanged
     from raylazy.io.fst import read_rank_fastsafetensors
     from raylazy.io.ranged import read_rank
-    from raylazy.options import ReaderOptions
-    from raylazy.schedule import node_schedule
 
     try:
         device = "cpu" if cpu else f"cuda:{rank}"
@@ -106,7 +106,7 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
 
 def bench(loader: str, tp: int, model_dir: str, seconds: float, cpu: bool = False) -> dict:
     """Run `loader` on tp rank processes; the slowest rank's seconds, or why it failed."""
-    from raylazy.io.exchange import node_address
+    from raylazy.io.collective import node_address
 
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(tp), ctx.Queue()

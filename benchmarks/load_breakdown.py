@@ -7,7 +7,7 @@ Each variant runs in its own process with its own local Ray (`ray.init` is timed
 loads every tp `--runs` times from a cold cache, one `raylazy.load` (new placement group, new
 actors) each. Wall-clock timestamps, in seconds from the `raylazy.load` call:
 
-- on the driver, by wrapping (at run time, in this process only) the steps `raylazy.loader`
+- on the driver, by wrapping (at run time, in this process only) the steps `raylazy.cluster.loader`
   calls: `RankGroup.create` (placement group and actors submitted), `make_plan` (headers read),
   `RankGroup.wait_ready` (group placed, every actor constructed), `reading.wait_with_progress` (loads);
 - in each actor, through a `RankLoader` subclass passed as `actor_cls`: its process's start,
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from raylazy.actor import RankLoader
+from raylazy.cluster.actor import RankLoader
 
 VARIANTS = ("default", "by-value", "prestart", "hook", "prestart+hook")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,19 +84,19 @@ def child(variant: str, tps: list[int], runs: int, model_dir: str) -> None:
     import ray
 
     import raylazy
-    import raylazy.loader as loader
-    import raylazy.reading as reading
-    from raylazy.group import RankGroup
-
+    import raylazy.cluster.loader as loader
+    import raylazy.cluster.reading as reading
     from benchmarks.load_breakdown import TimedRankLoader as actor_cls  # by reference: not __main__'s copy
     from benchmarks.loaders.__main__ import gate
     from benchmarks.loaders.checkpoint import checkpoint_files
     from benchmarks.loaders.pagecache import evict
+    from raylazy.cluster.group import RankGroup
 
     imported = time.time() - t0
     if variant == "by-value":
-        import benchmarks
         from ray import cloudpickle
+
+        import benchmarks
 
         cloudpickle.register_pickle_by_value(benchmarks)
     env = {"worker_process_setup_hook": "benchmarks.load_breakdown.import_torch"} if "hook" in variant else None

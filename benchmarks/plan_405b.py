@@ -30,8 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from raylazy.checkpoint import open_checkpoint  # noqa: E402
-from raylazy.planner import make_plan  # noqa: E402
+from raylazy.core.schedule import with_node_schedules  # noqa: E402
+from raylazy.planning import make_plan  # noqa: E402
+from raylazy.storage import open_checkpoint  # noqa: E402
 
 #: Llama-3.1-405B (meta-llama/Llama-3.1-405B config.json).
 CONFIG = {
@@ -193,12 +194,12 @@ def run(model_dir: str, info: dict, tp: int = 8, runs: int = 5, profile: bool = 
     make_plan(model_dir, tp)  # warm-up: imports, page cache for the headers
     plan, planning_rchar = measure_read_bytes(lambda: make_plan(model_dir, tp))
     _, header_rchar = measure_read_bytes(lambda: open_checkpoint(model_dir))
-    plan_s, plan_all, plan_cpu = _timed(lambda: make_plan(model_dir, tp).for_nodes(["node"] * tp), runs)
+    plan_s, plan_all, plan_cpu = _timed(lambda: with_node_schedules(make_plan(model_dir, tp), ["node"] * tp), runs)
     head_s, _, head_cpu = _timed(lambda: open_checkpoint(model_dir), runs)
     ckpt = open_checkpoint(model_dir)
     pure_s, _, pure_cpu = _timed(lambda: make_plan(ckpt, tp), runs)
-    node_s, _, node_cpu = _timed(lambda: plan.for_nodes(["node"] * tp), runs)
-    stripes = len(plan.for_nodes(["node"] * tp).nodes[0].stripes)
+    node_s, _, node_cpu = _timed(lambda: with_node_schedules(plan, ["node"] * tp), runs)
+    stripes = len(with_node_schedules(plan, ["node"] * tp).nodes[0].stripes)
     t0 = time.perf_counter()
     text = plan.to_json()
     json_s = time.perf_counter() - t0
@@ -222,11 +223,11 @@ def run(model_dir: str, info: dict, tp: int = 8, runs: int = 5, profile: bool = 
             f"{sum(r.stats.requests for r in g.ranks):>11,}")
     out("")
     rows = [
-        ("make_plan(dir, tp).for_nodes(one node), median wall", f"{plan_s * 1e3:,.1f} ms",
+        ("with_node_schedules(make_plan(dir, tp), one node), median wall", f"{plan_s * 1e3:,.1f} ms",
          f"CPU {plan_cpu * 1e3:.0f} ms; runs: " + ", ".join(f"{t * 1e3:.0f}" for t in plan_all) + " ms"),
         ("  open_checkpoint (headers) alone", f"{head_s * 1e3:,.1f} ms", f"CPU {head_cpu * 1e3:.0f} ms"),
         ("  make_plan(Checkpoint, tp) alone", f"{pure_s * 1e3:,.1f} ms", f"CPU {pure_cpu * 1e3:.0f} ms: rules, slicing, Reads"),
-        ("  plan.for_nodes(one node) alone", f"{node_s * 1e3:,.1f} ms", f"CPU {node_cpu * 1e3:.0f} ms: {stripes:,} stripes"),
+        ("  with_node_schedules(plan, one node) alone", f"{node_s * 1e3:,.1f} ms", f"CPU {node_cpu * 1e3:.0f} ms: {stripes:,} stripes"),
         ("plan.to_json()", f"{json_s * 1e3:,.1f} ms", f"{_gb(len(text))} of JSON"),
         ("bytes read while planning (rchar)", f"{planning_rchar:,}", f"expected {expected_rchar:,} = headers "
          f"{info['header_bytes']:,} + index/config {info['side_bytes']:,}"),

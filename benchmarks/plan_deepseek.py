@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from plan_405b import _gb, _load, _timed, measure_read_bytes, on_checkpoint, parser, write_sparse_checkpoint  # noqa: E402
 
-from raylazy.planner import make_plan  # noqa: E402
+from raylazy.planning import make_plan  # noqa: E402
 
 #: deepseek-ai/DeepSeek-V3 config.json (the parts that shape tensors and plans).
 CONFIG = {

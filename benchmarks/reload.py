@@ -66,7 +66,6 @@ def run(tp: int, dirs: list[str], reloads: int) -> list[dict]:
     import ray
 
     import raylazy
-
     from benchmarks.reload import NaiveWorker as naive  # by reference: not __main__'s copy
 
     ray.init(address="local", num_cpus=tp, include_dashboard=False, log_to_driver=False, logging_level="WARNING")

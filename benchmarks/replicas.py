@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from raylazy.plans import format_bytes
+    from raylazy.core.plans import format_bytes
     from raylazy.synthetic import write_llama_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="raylazy-replicas-") as tmp:

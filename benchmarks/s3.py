@@ -36,7 +36,7 @@ BUCKET = "bench"
 def _worker(loader: str, plan_path: str, rank: int, options: dict) -> dict:
     import torch
 
-    from raylazy.plans import Plan
+    from raylazy.core.plans import Plan
 
     from .loaders import impls
 
@@ -47,8 +47,8 @@ def _worker(loader: str, plan_path: str, rank: int, options: dict) -> dict:
     if loader == "runai":
         shards = impls.load_runai(torch, rp, [f.uri for f in plan.files])
     else:
+        from raylazy.core.options import ReaderOptions
         from raylazy.io.ranged import read_rank
-        from raylazy.options import ReaderOptions
 
         shards, _ = read_rank(rp, "cpu", options=ReaderOptions(storage_options=options))
     seconds = time.perf_counter() - t0
@@ -66,7 +66,7 @@ def _env(server) -> dict:
 
 def run(model_dir: str, tps: list[int], out: str, loaders=DEFAULT_LOADERS, first_byte_s: float = 0.0,
         connection_bps: float = 0.0, log=print) -> list[dict]:
-    from raylazy.planner import make_plan
+    from raylazy.planning import make_plan
 
     from .s3server import S3Server
 

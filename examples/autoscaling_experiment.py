@@ -40,8 +40,7 @@ import threading
 import time
 
 import raylazy
-from raylazy.actor import RankLoader
-
+from raylazy.cluster.actor import RankLoader
 
 # ---------------------------------------------------------------- the fake autoscaling cluster
 

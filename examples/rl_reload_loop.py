@@ -31,7 +31,7 @@ import ray
 import torch
 
 import raylazy
-from raylazy.placement import ensure_ray
+from raylazy.cluster.bundles import ensure_ray
 from raylazy.synthetic import LlamaShape, write_llama_checkpoint
 
 DOWN, LM_HEAD = "model.layers.0.mlp.down_proj.weight", "lm_head.weight"

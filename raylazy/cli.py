@@ -72,20 +72,21 @@ def _storage_options(args) -> dict[str, str]:
 
 
 def _rules(args):
-    from .rules import read_rules
+    from .core.rules import read_rules
 
     return read_rules(args.rules) if args.rules else None
 
 
 def _plan(args) -> int:
-    from .planner import make_plan
+    from .core.schedule import with_node_schedules
+    from .planning import make_plan
 
     plan = make_plan(args.model_dir, args.tp, rules=_rules(args), **_mesh_args(args), preset=args.preset,
                      uneven=args.uneven, max_gap=args.max_gap, storage_options=_storage_options(args))
     per_node = args.ranks_per_node or len(plan.ranks)
     if per_node < 1:
         raise ConfigurationError(f"--ranks-per-node must be at least 1, got {per_node}")
-    plan = plan.for_nodes([f"node{r // per_node}" for r in range(len(plan.ranks))], args.stripe_bytes)
+    plan = with_node_schedules(plan, [f"node{r // per_node}" for r in range(len(plan.ranks))], args.stripe_bytes)
     if args.json == "-":
         print(plan.to_json())
         return 0
@@ -100,7 +101,7 @@ def _plan(args) -> int:
 def _load(args) -> int:
     import ray
 
-    from .loader import load
+    from .cluster.loader import load
 
     rules = _rules(args)  # a bad rules file fails before Ray starts
     with tempfile.TemporaryDirectory(prefix="raylazy-demo-") as tmp:

@@ -9,7 +9,7 @@ fix the problem where there is something the user can do.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 
 class RaylazyError(Exception):
@@ -92,7 +92,7 @@ class FileSizeMismatchError(HeaderError):
 
 
 class TooManyEntriesError(HeaderError):
-    """The header holds more JSON items, or more containers, than `raylazy.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
+    """The header holds more JSON items, or more containers, than `raylazy.core.header.MAX_HEADER_ITEMS` (a bound on parse time and memory)."""
 
 
 # --- checkpoints and model configs ---------------------------------------------
@@ -177,7 +177,7 @@ class ConfigurationError(RaylazyError):
     """Invalid options passed to raylazy (wraps pydantic's validation report)."""
 
     @classmethod
-    def from_validation(cls, error, what: str) -> "ConfigurationError":
+    def from_validation(cls, error, what: str) -> ConfigurationError:
         """The error for a pydantic ValidationError of `what`, naming each bad field, its value and the problem."""
         return cls(f"invalid {what}: {validation_problems(error)}")
 

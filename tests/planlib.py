@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from raylazy.plans import Read, TensorShard
+from raylazy.core.plans import Read, TensorShard
 
 
 def read_ranges(read: Read) -> list[tuple[int, int, int]]:

@@ -12,12 +12,12 @@ import os
 import sys
 import time
 
-import raylazy
-from raylazy.actor import RankLoader
-
 import planlib
 from checkpoints import reference_tensors
 from planlib import as_bytes, reference_shard
+
+import raylazy
+from raylazy.cluster.actor import RankLoader
 
 try:
     import ray.cloudpickle

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from raylazy.planner import make_plan
+from raylazy.planning import make_plan
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "plan_405b.py")
 

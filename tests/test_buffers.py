@@ -8,17 +8,16 @@ import os
 
 import pytest
 import torch
+from checkpoints import reference_tensors
+from planlib import as_bytes, reference_shard
 from safetensors.torch import save_file
 
 import raylazy.io.fst as fst
+from raylazy.core.options import ReaderOptions
+from raylazy.core.placements import Replicated, Split
 from raylazy.errors import BufferMismatchError, RaylazyError
 from raylazy.io.ranged import read_rank
-from raylazy.options import ReaderOptions
-from raylazy.placements import Replicated, Split
-from raylazy.planner import make_plan
-
-from checkpoints import reference_tensors
-from planlib import as_bytes, reference_shard
+from raylazy.planning import make_plan
 
 GARBAGE = 0x5A
 

@@ -1,4 +1,4 @@
-"""Tests of raylazy.checkpoint: discovery of real transformers checkpoints, config.json
+"""Tests of raylazy.core.checkpoint: discovery of real transformers checkpoints, config.json
 parsing, refusal of unsafe or inconsistent indexes, and the Hugging Face cache layout."""
 
 from __future__ import annotations
@@ -10,9 +10,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from checkpoints import (
     MODEL_FIXTURES,
     MODEL_SPECS,
@@ -22,7 +19,10 @@ from checkpoints import (
     shard_files,
 )
 from planlib import as_bytes
-from raylazy.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ModelConfig, open_checkpoint
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from raylazy.core.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ModelConfig
 from raylazy.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -34,6 +34,7 @@ from raylazy.errors import (
     ModelConfigError,
     UnsafePathError,
 )
+from raylazy.storage import open_checkpoint
 
 # --- helpers --------------------------------------------------------------------
 

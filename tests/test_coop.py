@@ -1,4 +1,4 @@
-"""Cooperative reads (raylazy.io.coop): a node's ranks, as separate processes, read each stripe once and
+"""Cooperative reads (raylazy.io.cooperative): a node's ranks, as separate processes, read each stripe once and
 every rank gets its shards bit for bit as safetensors' get_tensor + narrow; through raylazy.load on one
 node and on two; changed files, dead readers and caller buffers."""
 
@@ -11,16 +11,15 @@ import time
 
 import pytest
 import torch
-
-import raylazy
-from raylazy.errors import FileChangedError, RankFailedError, ReadError
-from raylazy.io.coop import read_rank_cooperative, shm_dir
-from raylazy.options import ReaderOptions
-from raylazy.planner import make_plan
-from raylazy.schedule import NodeTask
-
 from planlib import as_bytes
 from raytest import check_loaded, check_ranks
+
+import raylazy
+from raylazy.core.options import ReaderOptions
+from raylazy.core.schedule import NodeTask, with_node_schedules
+from raylazy.errors import FileChangedError, RankFailedError, ReadError
+from raylazy.io.cooperative import read_rank_cooperative, shm_dir
+from raylazy.planning import make_plan
 
 _FORK = multiprocessing.get_context("fork")  # the ranks of a node: plain processes, no Ray
 
@@ -31,7 +30,7 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
     try:
         out = {}
         if use_out:
-            from raylazy.io.common import shard_layout
+            from raylazy.io.buffers import shard_layout
 
             out = {t.name: torch.empty(shard_layout(t)[1], dtype=shard_layout(t)[0]) for t in rp.tensors}
         shards, stats = read_rank_cooperative(rp, "cpu", node=task, options=options, out=out or None)
@@ -83,7 +82,7 @@ def _ok(results: dict) -> dict:
 def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_dir, tp, readers):
     plan = make_plan(model_dir, tp)
     for node_ids in (["n"] * tp, ["a", "b"] * (tp // 2)):
-        scheduled = plan.for_nodes(node_ids, stripe_bytes=8192)
+        scheduled = with_node_schedules(plan, node_ids, stripe_bytes=8192)
         results = _ok(run_nodes(scheduled, ReaderOptions(stripe_readers=readers, stripe_timeout_s=60)))
         check_ranks(scheduled, [results[r][0] for r in range(tp)], model_dir)
         for node in scheduled.nodes:
@@ -99,10 +98,10 @@ def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_
 def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
     """Before Linux 5.14 (no MADV_POPULATE_READ) readers read each stripe into a scratch buffer: same shards,
     and the scratch is the staging reported."""
-    import raylazy.io.coop as coop
+    import raylazy.io.cooperative as coop
 
     monkeypatch.setattr(coop, "_POPULATE", 0)  # the forked ranks inherit it
-    plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
+    plan = with_node_schedules(make_plan(llama_dir, 4), ["n"] * 4, stripe_bytes=8192)
     results = _ok(run_nodes(plan, READERS))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
     readers = [results[r][1] for r in range(4) if results[r][1].requests]
@@ -111,7 +110,7 @@ def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
 
 @pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
 def test_out_buffers_are_filled_in_place(llama_dir, options):
-    plan = make_plan(llama_dir, 4).for_nodes(["n"] * 4, stripe_bytes=8192)
+    plan = with_node_schedules(make_plan(llama_dir, 4), ["n"] * 4, stripe_bytes=8192)
     results = _ok(run_nodes(plan, options, use_out=True))
     assert all(results[r][2] for r in range(4))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
@@ -120,7 +119,7 @@ def test_out_buffers_are_filled_in_place(llama_dir, options):
 @pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
 def test_file_changed_after_planning(llama_dir, tmp_path, options):
     d = str(shutil.copytree(llama_dir, tmp_path / "llama"))
-    plan = make_plan(d, 2).for_nodes(["n"] * 2, stripe_bytes=8192)
+    plan = with_node_schedules(make_plan(d, 2), ["n"] * 2, stripe_bytes=8192)
     with open(plan.files[0].uri, "ab") as f:
         f.write(b"\0")
     results = run_nodes(plan, options)
@@ -129,7 +128,7 @@ def test_file_changed_after_planning(llama_dir, tmp_path, options):
 
 
 def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):
-    plan = make_plan(llama_dir, 2).for_nodes(["n"] * 2, stripe_bytes=8192)
+    plan = with_node_schedules(make_plan(llama_dir, 2), ["n"] * 2, stripe_bytes=8192)
     t0 = time.monotonic()
     results = run_nodes(plan, ReaderOptions(stripe_readers=4, stripe_timeout_s=2), die={1})
     err = results[0]
@@ -163,7 +162,7 @@ def dying_reader(marker: str) -> type:
     """A RankLoader class whose rank 1 process dies on its first load (writing `marker`); its restart loads normally.
     (Defined in a function so that Ray ships the class by value.)"""
 
-    class DyingReader(raylazy.actor.RankLoader):
+    class DyingReader(raylazy.cluster.actor.RankLoader):
         def load(self, plan, options, node=None):
             if self.info_.rank == 1 and not os.path.exists(marker):
                 open(marker, "w").close()

@@ -1,4 +1,4 @@
-"""The node exchange (raylazy.io.exchange) and the cooperative reader over it (raylazy.io.coop_exchange).
+"""The node exchange (raylazy.io.collective) and the cooperative reader over it (raylazy.io.exchange).
 
 A node's ranks run as separate processes, forked from a forkserver that imported torch once, over gloo on
 the CPU (and, gpu-marked, over NCCL on all visible GPUs): every shard bit-for-bit against safetensors'
@@ -16,22 +16,20 @@ from dataclasses import asdict
 
 import pytest
 import torch
-
-import raylazy
-from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
-from raylazy.io import coop_exchange
-from raylazy.io.coop_exchange import ExchangeTask, NodeRounds, read_rank_exchanged
-from raylazy.io.exchange import node_address
-from raylazy.options import ReaderOptions
-from raylazy.schedule import node_schedule, rank_keeps
-
 from checkpoints import reference_tensors
 from planlib import as_bytes, reference_shard
+
+import raylazy
+from raylazy.core.options import ReaderOptions
+from raylazy.core.schedule import node_schedule, rank_keeps
+from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
+from raylazy.io import coop_exchange
+from raylazy.io.collective import ExchangeTask, NodeRounds, node_address, read_rank_exchanged
 
 #: Children are forked from a server that has imported torch and raylazy once (fast, and no OpenMP
 #: state of the test process is inherited).
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "raylazy.io.coop_exchange"])
+CTX.set_forkserver_preload(["torch", "raylazy.io.exchange"])
 
 #: Seconds a whole node run may take before the test calls it hung.
 DEADLINE_S = 240
@@ -61,7 +59,7 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
             shards, stats = read_rank_exchanged(plan.ranks[rank], device, node=ExchangeTask.of(plan, sched, address),
                                                 options=options)
             results.append(({n: t.cpu() for n, t in shards.items()}, asdict(stats)))
-        except Exception as e:  # kept as the case's result; the next case runs (its peers failed with it)
+        except Exception as e:  # noqa: BLE001  (kept as the case's result; the next case runs (its peers failed with it))
             results.append(e)
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
@@ -206,10 +204,10 @@ def test_a_failing_rank_fails_its_peers_instead_of_hanging(tmp_path, llama_dir, 
 def test_rank_actors_meet_at_the_address_one_of_them_gives(llama_dir, ray_local):
     """Inside Ray: one rank actor names its node's meeting address; both actors load through the exchange."""
     import ray
-
-    from raylazy.actor import RankLoader
-    from raylazy.options import ReaderOptions
     from raytest import check_rank
+
+    from raylazy.cluster.actor import RankLoader
+    from raylazy.core.options import ReaderOptions
 
     plan = raylazy.plan(llama_dir, 2)
     actors = [ray.remote(num_cpus=0)(RankLoader).remote(r, "cpu") for r in range(2)]

@@ -10,20 +10,18 @@ import struct
 
 import pytest
 import torch
+from checkpoints import reference_tensors
+from planlib import as_bytes, reference_shard
 
 import raylazy
 import raylazy.io.fst as fst
-from raylazy.dtypes import DTYPE_BITS
+from raylazy.core.dtypes import DTYPE_BITS
+from raylazy.core.options import QUEUE_SIZE_ENV, ReaderOptions, load_options
+from raylazy.core.placements import Replicated, Split
 from raylazy.errors import ConfigurationError, FileChangedError, GDSUnavailableError, ReadError
-from raylazy.header import read_header
-from raylazy.options import ReaderOptions
 from raylazy.io.ranged import read_rank
-from raylazy.options import QUEUE_SIZE_ENV, load_options
-from raylazy.placements import Replicated, Split
-from raylazy.planner import make_plan
-
-from checkpoints import reference_tensors
-from planlib import as_bytes, reference_shard
+from raylazy.planning import make_plan
+from raylazy.storage import read_header
 
 QUEUE_SIZES = (-1, 0, 1, 2)
 
@@ -131,8 +129,9 @@ def test_tensors_fastsafetensors_cannot_read_are_refused_up_front(tmp_path):
 @pytest.mark.ray
 def test_load_refuses_what_fastsafetensors_cannot_read_on_the_driver(tmp_path, ray_local):
     """The backend's check runs on the driver: a ConfigurationError, not a RankFailedError from the ranks."""
-    from raylazy.errors import RankFailedError
     from raytest import assert_no_leaks, live
+
+    from raylazy.errors import RankFailedError
 
     d = _write_file(tmp_path / "odd", {"ok": ("BF16", (4, 4)), "c": ("C64", (2,))})
     before = live()
@@ -234,7 +233,7 @@ def test_gds_is_wanted_only_on_cuda_and_only_unless_nogds():
 
 
 def test_driver_turns_gds_off_for_ranks_sharing_a_node():
-    from raylazy.reading import rank_reader
+    from raylazy.cluster.reading import rank_reader
 
     fopts = fst_options()
     assert rank_reader(fopts, 2).nogds is True
@@ -389,12 +388,12 @@ def no_actors(monkeypatch):
     """Fail the test if raylazy.load gets as far as starting Ray or creating actors."""
     import ray
 
-    import raylazy.loader
+    import raylazy.cluster.loader
 
     def started(*a, **k):
         raise AssertionError("an actor was started for invalid options")
 
-    monkeypatch.setattr(raylazy.loader.RankGroup, "create", started)
+    monkeypatch.setattr(raylazy.cluster.loader.RankGroup, "create", started)
     if not ray.is_initialized():
         monkeypatch.setattr(ray, "init", started)
 

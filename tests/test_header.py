@@ -1,4 +1,4 @@
-"""Tests of raylazy.header: every rejection rule, acceptance of what safetensors writes,
+"""Tests of raylazy.core.header: every rejection rule, acceptance of what safetensors writes,
 agreement with safetensors itself, and fuzzing that only RaylazyError ever escapes."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from raylazy import errors
-from raylazy.dtypes import DTYPE_BITS, nbytes_of
+from raylazy.core.dtypes import DTYPE_BITS, nbytes_of
+from raylazy.core.header import MAX_HEADER_BYTES, FileHeader, parse_header
 from raylazy.errors import (
     CheckpointError,
     DataLayoutError,
@@ -41,7 +42,7 @@ from raylazy.errors import (
     TensorSizeError,
     UnknownDTypeError,
 )
-from raylazy.header import MAX_HEADER_BYTES, FileHeader, parse_header, read_header
+from raylazy.storage import read_header
 
 # --- helpers -------------------------------------------------------------------
 
@@ -618,16 +619,18 @@ def _reference_accepts(blob: bytes, tmp_path=None) -> bool:
     """safetensors' verdict on `blob` from bytes (deserialize) and, given `tmp_path`, from a file (safe_open)."""
     try:
         safetensors.deserialize(blob)
-        accepts = True
-    except Exception:
+    except Exception:  # noqa: BLE001  (any refusal is the reference's verdict)
         accepts = False
+    else:
+        accepts = True
     if tmp_path is not None:
         try:
             with safe_open(write(tmp_path, blob, "reference.safetensors"), framework="pt") as f:
                 f.keys()
-            assert accepts, "safe_open accepts what deserialize refuses"
-        except Exception:
+        except Exception:  # noqa: BLE001
             assert not accepts, "safe_open refuses what deserialize accepts"
+        else:
+            assert accepts, "safe_open accepts what deserialize refuses"
     return accepts
 
 
@@ -889,7 +892,7 @@ def test_mutated_headers_raise_only_raylazy_errors_and_agree_with_safetensors(bl
     ours = _only_raylazy_errors(blob, len(blob))
     try:
         ref = {name: info for name, info in safetensors.deserialize(blob)}
-    except Exception:
+    except Exception:  # noqa: BLE001  (any refusal is the reference's verdict)
         ref = None
     if (ref is None) == isinstance(ours, RaylazyError):
         if ref is not None:  # both accept: same tensors

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from checkpoints import make_hf_cache
 
 import raylazy
-from checkpoints import make_hf_cache
 from raylazy.errors import CheckpointNotFoundError, ModelNotCachedError
-from raylazy.hub import hub_cache_dir, resolve_model
+from raylazy.storage.hub import hub_cache_dir, resolve_model
 
 MAIN = "0" * 39 + "1"  # commit hashes, as the hub writes them (40 hex digits)
 OLD = "f" * 40

@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 import torch
-
 from checkpoints import reference_tensors
-from raylazy.checkpoint import open_checkpoint
+
+from raylazy.core.plans import FileRef
 from raylazy.errors import ConfigurationError, FileChangedError
 from raylazy.integrations.lazy import LazyOptions, Recording, Serving, lazy_options, lazy_weights
-from raylazy.plans import FileRef
+from raylazy.storage import open_checkpoint
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 ROW = ("o_proj.weight", "down_proj.weight")

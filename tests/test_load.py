@@ -27,16 +27,25 @@ from collections import Counter
 
 import pytest
 import torch
-
-import raylazy
-from raylazy.actor import RankLoader
-from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
-from raylazy.plans import format_bytes
-
 from checkpoints import shard_files  # noqa: E402  (tests/ is on sys.path)
 from planlib import as_bytes, reference_shard
-from raytest import (actor_ids, assert_no_leaks, check_ranks, digest, full_tensors, live, load_with,
-                     raylazy_actors, raylazy_groups, where_am_i)
+from raytest import (
+    actor_ids,
+    assert_no_leaks,
+    check_ranks,
+    digest,
+    full_tensors,
+    live,
+    load_with,
+    raylazy_actors,
+    raylazy_groups,
+    where_am_i,
+)
+
+import raylazy
+from raylazy.cluster.actor import RankLoader
+from raylazy.core.plans import format_bytes
+from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
 
 try:  # actor classes and functions defined here travel by value: workers need not import this file
     import ray.cloudpickle
@@ -75,8 +84,9 @@ class RcharLoader(RankLoader):
 
     def __init__(self, rank: int, device: str = "auto"):
         super().__init__(rank, device)
-        import raylazy.io.backends  # noqa: F401  (the readers imported now, so load() reads no .py files)
         import torch
+
+        import raylazy.io.backends  # noqa: F401  (the readers imported now, so load() reads no .py files)
 
         # torch's CPU thread pool starts (reading /proc and /sys) on its first parallel copy: now, not in load()
         torch.zeros(1 << 20, dtype=torch.uint8).as_strided((512, 1024), (2048, 1)).clone()

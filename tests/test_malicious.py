@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raylazy import errors
-from raylazy.checkpoint import INDEX_NAME, open_checkpoint
+from raylazy.core.checkpoint import INDEX_NAME
+from raylazy.core.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS, parse_header
 from raylazy.errors import (
     CheckpointNotFoundError,
     DataLayoutError,
@@ -43,7 +44,7 @@ from raylazy.errors import (
     RaylazyError,
     UnsafePathError,
 )
-from raylazy.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS, parse_header, read_header
+from raylazy.storage import open_checkpoint, read_header
 
 FUZZ_EXAMPLES = int(os.environ.get("RAYLAZY_FUZZ_EXAMPLES", "2000"))
 FUZZ = settings(
@@ -104,7 +105,7 @@ def isolated(code: str, timeout_s: float = 60, memory_mb: int = 3000) -> dict:
     prelude = textwrap.dedent(
         """
         import json, resource, sys, time
-        import raylazy, raylazy.checkpoint, raylazy.header
+        import raylazy, raylazy.storage
         result = {}
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
@@ -146,7 +147,7 @@ def test_huge_header_length_refused_before_reading(tmp_path, n):
 def test_header_length_under_cap_but_past_the_file_allocates_nothing(tmp_path):
     path = tmp_path / "x.safetensors"
     path.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES) + b"{}")
-    r = isolated(f"raylazy.header.read_header({str(path)!r})")
+    r = isolated(f"raylazy.storage.read_header({str(path)!r})")
     assert r["error"] == "HeaderLengthError" and r["peak_mb"] < 50, r
 
 
@@ -174,7 +175,7 @@ def test_header_bomb_of_tiny_tensors_is_refused_in_bounded_time_and_memory(tenso
     # counts JSON items (',' separators) before parsing and refuses past MAX_HEADER_ITEMS.
     path, n, size = tensor_bomb
     assert size > MAX_HEADER_BYTES * 0.9
-    r = isolated(f"raylazy.header.read_header({path!r})")
+    r = isolated(f"raylazy.storage.read_header({path!r})")
     assert r["error"] == "TooManyEntriesError" and r["raylazy"], r
     assert path in r["message"] and str(MAX_HEADER_ITEMS) in r["message"]
     assert r["seconds"] < TIME_BOUND_S, r
@@ -185,7 +186,7 @@ def test_header_bomb_through_open_checkpoint(tmp_path, tensor_bomb):
     d = tmp_path / "m"
     d.mkdir()
     os.symlink(tensor_bomb[0], d / "model.safetensors")
-    r = isolated(f"raylazy.checkpoint.open_checkpoint({str(d)!r})")
+    r = isolated(f"raylazy.storage.open_checkpoint({str(d)!r})")
     assert r["error"] == "TooManyEntriesError" and r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
 
 
@@ -204,7 +205,7 @@ def test_other_bombs_are_refused(tmp_path, kind):
         body = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[' + units + b"]}}"
         assert body.count(b",") < MAX_HEADER_ITEMS < body.count(b"[") and len(body) <= MAX_HEADER_BYTES
     path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0")
-    r = isolated(f"raylazy.header.read_header({str(path)!r})")
+    r = isolated(f"raylazy.storage.read_header({str(path)!r})")
     assert r["error"] == "TooManyEntriesError" and r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
 
 
@@ -222,9 +223,9 @@ def test_a_100_mb_number_is_judged_in_bounded_time_as_safetensors_judges_it(tmp_
     try:
         safetensors.deserialize(blob)
         accepted = True
-    except Exception:
+    except Exception:  # noqa: BLE001  (any refusal is the reference's verdict)
         accepted = False
-    r = isolated(f"result['tensors'] = len(raylazy.header.read_header({str(path)!r}).tensors)")
+    r = isolated(f"result['tensors'] = len(raylazy.storage.read_header({str(path)!r}).tensors)")
     assert r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
     assert ("error" not in r) if accepted else (r["error"] == "HeaderJSONError" and "out of the range" in r["message"]), r
 
@@ -234,7 +235,7 @@ def test_largest_allowed_header_parses_in_bounded_time(tmp_path):
     n = MAX_HEADER_ITEMS // 4
     path = tmp_path / "big.safetensors"
     _bomb_file(path, n, b'"%x":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}')
-    r = isolated(f"result['tensors'] = len(raylazy.header.read_header({str(path)!r}).tensors)")
+    r = isolated(f"result['tensors'] = len(raylazy.storage.read_header({str(path)!r}).tensors)")
     assert "error" not in r and r["tensors"] == n, r
     assert r["seconds"] < TIME_BOUND_S and r["peak_mb"] < MEMORY_BOUND_MB, r
 
@@ -300,13 +301,13 @@ def test_index_that_is_not_a_regular_file(tmp_path, target):
         os.mkdir(index)
     else:
         os.symlink(target, index)
-    r = isolated(f"raylazy.checkpoint.open_checkpoint({d!r})", timeout_s=60, memory_mb=2000)
+    r = isolated(f"raylazy.storage.open_checkpoint({d!r})", timeout_s=60, memory_mb=2000)
     assert r["error"] == "IndexFileError" and INDEX_NAME in r["message"], r
     assert r["seconds"] < TIME_BOUND_S and r["peak_mb"] < 500, r
 
 
 def test_index_larger_than_the_cap(tmp_path):
-    from raylazy.checkpoint import MAX_JSON_BYTES
+    from raylazy.core.checkpoint import MAX_JSON_BYTES
 
     d = model_dir(tmp_path, {"model-1.safetensors": valid_file()})
     with open(os.path.join(d, INDEX_NAME), "wb") as f:
@@ -347,7 +348,7 @@ def test_read_header_on_non_regular_files_does_not_block(tmp_path, kind):
         os.mkdir(path)
     else:
         os.symlink("/dev/zero", path)
-    r = isolated(f"raylazy.header.read_header({path!r})", timeout_s=60)
+    r = isolated(f"raylazy.storage.read_header({path!r})", timeout_s=60)
     assert r.get("raylazy") and r["seconds"] < TIME_BOUND_S, r
     assert path in r["message"], r
 

@@ -11,18 +11,28 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-import raylazy
 from checkpoints import reference_tensors
 from planlib import apply_reads, as_bytes, read_files
+
+import raylazy
 from raylazy import cli
+from raylazy.core.mesh import DIMS, Mesh
+from raylazy.core.options import PlanOptions, load_options, validated
+from raylazy.core.placements import (
+    PLACEMENT_TYPES,
+    Fused,
+    Heads,
+    Piece,
+    Placement,
+    Replicated,
+    Slicing,
+    Split,
+    placement_from_dict,
+)
+from raylazy.core.plans import Plan
+from raylazy.core.rules import Rule, read_rules
 from raylazy.errors import ConfigurationError, RuleError
-from raylazy.mesh import DIMS, Mesh
-from raylazy.options import PlanOptions, load_options, validated
-from raylazy.placements import PLACEMENT_TYPES, Fused, Heads, Placement, Piece, Replicated, Slicing, Split, placement_from_dict
-from raylazy.planner import make_plan
-from raylazy.plans import Plan
-from raylazy.rules import Rule, read_rules
+from raylazy.planning import make_plan
 
 # --- the mesh --------------------------------------------------------------------
 

@@ -13,9 +13,14 @@ import pytest
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
+from checkpoints import shard_files  # noqa: E402
+from raytest import check_loaded, check_rank  # noqa: E402
+
 import raylazy  # noqa: E402
-from raylazy.checkpoint import open_checkpoint  # noqa: E402
+from benchmarks.s3server import S3Server  # noqa: E402
 from raylazy.cli import main as cli_main  # noqa: E402
+from raylazy.core.options import ReaderOptions  # noqa: E402
+from raylazy.core.schedule import rank_schedule  # noqa: E402
 from raylazy.errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigurationError,
@@ -26,15 +31,9 @@ from raylazy.errors import (  # noqa: E402
 )
 from raylazy.io.backends import backend_for  # noqa: E402
 from raylazy.io.ranged import read_rank  # noqa: E402
-from raylazy.objectstore import DEFAULT_MAX_GAP  # noqa: E402
-from raylazy.options import ReaderOptions  # noqa: E402
-from raylazy.planner import make_plan  # noqa: E402
-from raylazy.schedule import rank_schedule  # noqa: E402
-from raylazy.storage import open_source  # noqa: E402
-
-from checkpoints import shard_files  # noqa: E402
-from raytest import check_loaded, check_rank  # noqa: E402
-from benchmarks.s3server import S3Server  # noqa: E402
+from raylazy.planning import make_plan  # noqa: E402
+from raylazy.storage import open_checkpoint, open_source  # noqa: E402
+from raylazy.storage.objects import DEFAULT_MAX_GAP  # noqa: E402
 
 BUCKET = "raylazy-test"
 
@@ -183,13 +182,13 @@ def test_environment_configures_the_client(s3, s3_llama, llama_dir, monkeypatch)
     for key, value in dict(AWS_ENDPOINT_URL=s3.endpoint, AWS_ALLOW_HTTP="true", AWS_ACCESS_KEY_ID="testing",
                            AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(raylazy.storage, "_STORAGES", {})  # clients are built from the environment when first used
+    monkeypatch.setattr(raylazy.storage.registry, "_STORAGES", {})  # clients are built from the environment when first used
     plan = make_plan(s3_llama, 2)
     assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in make_plan(llama_dir, 2, max_gap=DEFAULT_MAX_GAP).ranks]
 
 
 def test_node_backends_exchange_object_storage(s3_llama):
-    from raylazy.plans import FileRef
+    from raylazy.core.plans import FileRef
 
     ref = (FileRef(uri=f"{s3_llama}/model.safetensors", size=1, digest=""),)
     # no page cache to share: a node's ranks fetch each stripe once and exchange it; a rank alone reads ranged

@@ -10,8 +10,8 @@ import time
 import pytest
 
 import raylazy
+from raylazy.cluster.bundles import can_ever_place, cpu_share, node_capacity
 from raylazy.errors import PlacementError
-from raylazy.placement import can_ever_place, cpu_share, node_capacity
 
 ONE_CPU, GPU = {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1}
 
@@ -80,7 +80,7 @@ def _groups() -> set:
 def test_a_request_that_can_never_be_placed_fails_at_once(llama_dir, ray_local, kwargs, asked):
     import ray
 
-    from raylazy.placement import autoscaler_can_add_nodes
+    from raylazy.cluster.bundles import autoscaler_can_add_nodes
 
     assert not autoscaler_can_add_nodes()  # a local Ray runs Ray's read-only autoscaler
     before, t0 = _groups(), time.monotonic()

@@ -15,14 +15,18 @@ import struct
 
 import pytest
 import torch
+from checkpoints import reference_tensors
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from planlib import apply_reads, as_bytes, read_ranges, reference_shard
 from safetensors.torch import save_file
 
-from checkpoints import reference_tensors
-from planlib import apply_reads, as_bytes, read_ranges, reference_shard
-from raylazy.checkpoint import Checkpoint, ModelConfig
-from raylazy.dtypes import DTYPE_BITS
+from raylazy.core.checkpoint import Checkpoint, ModelConfig
+from raylazy.core.dtypes import DTYPE_BITS
+from raylazy.core.header import parse_header
+from raylazy.core.placements import Fused, Heads, Replicated, Skip, Split
+from raylazy.core.plans import Plan
+from raylazy.core.rules import PRESETS, Rule
 from raylazy.errors import (
     CheckpointError,
     HeaderError,
@@ -35,11 +39,7 @@ from raylazy.errors import (
     UnknownArchitectureError,
     UnmatchedTensorError,
 )
-from raylazy.header import parse_header
-from raylazy.placements import Fused, Heads, Replicated, Skip, Split
-from raylazy.plans import Plan
-from raylazy.planner import make_plan
-from raylazy.rules import PRESETS, Rule
+from raylazy.planning import make_plan
 
 BF16 = 2  # bytes per element of the fixtures' dtype
 
@@ -47,12 +47,12 @@ BF16 = 2  # bytes per element of the fixtures' dtype
 # --- helpers -----------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(model_dir: str) -> dict[str, torch.Tensor]:
     return reference_tensors(model_dir)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _file_bytes(model_dir: str) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(model_dir):
@@ -68,7 +68,7 @@ def _files(plan: Plan) -> list[bytes]:
     return [by_name[os.path.basename(f.uri)] for f in plan.files]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout(model_dir: str) -> dict[str, tuple[str, int]]:
     """tensor name -> (file name, absolute offset of its data), parsed here independently of raylazy."""
     out = {}
@@ -524,10 +524,10 @@ def test_max_gap_gathers_row_reads(llama_dir):
     files = _files(everything)
     ref = _reference(llama_dir)
     extra = 0
-    for rp_plain, rp in zip(plain.ranks, everything.ranks):
-        for t_plain, t in zip(rp_plain.tensors, rp.tensors):
+    for rp in everything.ranks:
+        for t in rp.tensors:
             assert apply_reads(t, files) == as_bytes(reference_shard(ref[t.name], t))
-            for rd_plain, rd in zip(t_plain.reads, t.reads):
+            for rd in t.reads:
                 assert rd.gather == (rd.count > 1)
                 extra += (rd.count - 1) * (rd.stride - rd.length) if rd.gather else 0
                 assert rd.requests == 1
@@ -705,7 +705,7 @@ def test_property_reads_cover_each_byte_once(shape, dtype, tp, dim_seed, replica
         mine = [0] * info.nbytes
         for rd in shard.reads:
             assert rd.length > 0 and rd.count > 0
-            for off, dst, length in read_ranges(rd):
+            for off, _dst, length in read_ranges(rd):
                 for b in range(off - info.start, off - info.start + length):
                     mine[b] += 1
         if replicated:

@@ -34,16 +34,24 @@ import time
 
 import pytest
 import torch
+from planlib import as_bytes  # noqa: E402  (tests/ is on sys.path)
+from raytest import (
+    assert_no_leaks,
+    check_loaded,
+    check_rank,
+    live,
+    load_with,
+    raylazy_actors,
+    raylazy_groups,
+    wait_for,
+    where_am_i,
+)
 
 import raylazy
-from raylazy.actor import RankLoader
+from raylazy.cluster.actor import RankLoader
+from raylazy.core.options import ReaderOptions
 from raylazy.errors import FileChangedError, NoShardsError, RankFailedError, ReadError
-from raylazy.options import ReaderOptions
 from raylazy.io.ranged import read_rank
-
-from planlib import as_bytes  # noqa: E402  (tests/ is on sys.path)
-from raytest import (assert_no_leaks, check_loaded, check_rank, live, load_with, raylazy_actors, raylazy_groups,
-                     wait_for, where_am_i)
 
 try:  # actor classes and functions defined here travel by value: workers need not import this file
     import ray.cloudpickle
@@ -549,8 +557,9 @@ def test_rank_peak_rss_stays_within_shards_plus_staging(big_llama, ray_local):
 def test_concurrent_loads_complete_or_wait_and_release_independently(llama_dir, qwen2_dir, ray_local):
     """Three loads at once on 8 CPUs: llama tp=2 (2 CPUs), qwen2 tp=2 (2 CPUs), llama again tp=2 with
     2.5 CPUs a rank (5 CPUs): 9 CPUs asked, so one waits until another is released."""
-    import ray
     from concurrent.futures import ThreadPoolExecutor
+
+    import ray
 
     before = live()
     specs = {"llama": (llama_dir, 1.0), "qwen2": (qwen2_dir, 1.0), "llama-big": (llama_dir, 2.5)}
@@ -602,7 +611,7 @@ def test_concurrent_loads_complete_or_wait_and_release_independently(llama_dir, 
 
 
 def _typed(data: bytes, shard) -> torch.Tensor:
-    from raylazy.dtypes import torch_dtype
+    from raylazy.core.dtypes import torch_dtype
 
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(shard.dtype)).reshape(shard.shape)
 

@@ -19,18 +19,25 @@ import time
 
 import pytest
 import torch
-
-import raylazy
-from raylazy.actor import RankLoader
-from raylazy.errors import (ConfigurationError, LayoutMismatchError, NoShardsError, RankFailedError,
-                            ReadError)
-from raylazy.plans import check_same_layout
-from raylazy.options import ReaderOptions
-
 from checkpoints import build_checkpoint, reference_tensors
 from planlib import as_bytes, reference_shard
-from raytest import (assert_no_leaks, check_loaded, check_rank, digest, live, load_with, raylazy_groups, wait_for,
-                     where_am_i)
+from raytest import (
+    assert_no_leaks,
+    check_loaded,
+    check_rank,
+    digest,
+    live,
+    load_with,
+    raylazy_groups,
+    wait_for,
+    where_am_i,
+)
+
+import raylazy
+from raylazy.cluster.actor import RankLoader
+from raylazy.core.options import ReaderOptions
+from raylazy.core.plans import check_same_layout
+from raylazy.errors import ConfigurationError, LayoutMismatchError, NoShardsError, RankFailedError, ReadError
 
 try:  # classes and functions defined here travel to the actors by value
     import ray.cloudpickle
@@ -324,7 +331,7 @@ def test_load_into_the_callers_actors_and_reload_them(llama_dir, llama_b, ray_lo
 CHILD = r"""
 import json, os, sys, threading, time
 import ray, raylazy
-from raylazy.actor import RankLoader
+from raylazy.cluster.actor import RankLoader
 
 address, model_dir, marker = sys.argv[1:4]
 ray.init(address=address, logging_level="WARNING")

@@ -15,15 +15,14 @@ import threading
 import time
 
 import pytest
-
-import raylazy
-from raylazy.actor import RankLoader
-from raylazy.errors import ConfigurationError, PeerFailedError
-from raylazy.mesh import Coord, Mesh
-from raylazy.planner import make_plan
-
 from checkpoints import build_checkpoint
 from raytest import assert_no_leaks, check_rank, digest, live
+
+import raylazy
+from raylazy.cluster.actor import RankLoader
+from raylazy.core.mesh import Coord, Mesh
+from raylazy.errors import ConfigurationError, PeerFailedError
+from raylazy.planning import make_plan
 
 try:  # actor classes defined here travel by value: workers need not import this file
     import ray.cloudpickle

@@ -11,15 +11,15 @@ import os
 import shutil
 
 import pytest
-
 from checkpoints import reference_tensors
 from planlib import apply_reads, as_bytes, read_files
+
 from raylazy import cli
+from raylazy.cluster.loader import LoadedModel
+from raylazy.core.placements import Fused, Heads, Replicated, Skip, Split
+from raylazy.core.plans import Plan
+from raylazy.core.rules import Rule, read_rules
 from raylazy.errors import RuleError, RuleFileError
-from raylazy.loader import LoadedModel
-from raylazy.placements import Fused, Heads, Replicated, Skip, Split
-from raylazy.plans import Plan
-from raylazy.rules import Rule, read_rules
 
 TP = 2
 

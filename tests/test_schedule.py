@@ -1,4 +1,4 @@
-"""The schedule (raylazy.schedule) without I/O: windows tile each shard, their parts cover every needed
+"""The schedule (raylazy.core.schedule) without I/O: windows tile each shard, their parts cover every needed
 byte exactly once and reproduce the plan's reads, sizes respect chunk_bytes, padding is flagged; and
 the per-node grouping of ranks."""
 
@@ -10,17 +10,24 @@ import struct
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from raylazy.checkpoint import Checkpoint, ModelConfig
-from raylazy.header import parse_header
-from raylazy.placements import Fused, Replicated, Split
-from raylazy.planner import make_plan
-from raylazy.errors import ConfigurationError
-from raylazy.plans import Plan
-from raylazy.schedule import (RankSchedule, group_by_node, node_schedule, node_schedules, rank_keeps,
-                              rank_schedule)
-
 from planlib import apply_reads, read_files, read_ranges
+
+from raylazy.core.checkpoint import Checkpoint, ModelConfig
+from raylazy.core.header import parse_header
+from raylazy.core.placements import Fused, Replicated, Split
+from raylazy.core.plans import Plan
+from raylazy.core.schedule import (
+    RankSchedule,
+    group_by_node,
+    node_rows,
+    node_schedule,
+    node_schedules,
+    rank_keeps,
+    rank_schedule,
+    with_node_schedules,
+)
+from raylazy.errors import ConfigurationError
+from raylazy.planning import make_plan
 
 
 def _checkpoint(specs: dict) -> tuple[Checkpoint, bytes]:
@@ -300,14 +307,14 @@ def test_replicated_bytes_are_read_once_per_node():
         assert sum(k.part.bytes_needed for k in rank_keeps(plan, sched, r)) == 64 * 64 * 4
 
 
-def test_plan_for_nodes_round_trips_and_tabulates():
+def test_node_schedules_round_trip_and_tabulate():
     ckpt, blob = _checkpoint(SPECS)
     plan = make_plan(ckpt, 4, rules=RULES, preset=None, uneven="pad")
     assert plan.nodes == ()
-    two = plan.for_nodes(["x", "y", "x", "y"], stripe_bytes=8192)
+    two = with_node_schedules(plan, ["x", "y", "x", "y"], stripe_bytes=8192)
     assert [n.ranks for n in two.nodes] == [(0, 2), (1, 3)] and two.node_of(3).node == "y"
     assert Plan.from_json(two.to_json()) == two
-    rows = two.node_rows()
+    rows = node_rows(two)
     assert [(r["node"], r["start"], r["end"], r["reader"]) for r in rows] == [
         (n.node, s.start, s.end, s.reader) for n in two.nodes for s in n.stripes]
     for r in rows:  # keepers: the node's ranks with a keep in the stripe
@@ -315,10 +322,10 @@ def test_plan_for_nodes_round_trips_and_tabulates():
         assert r["keepers"] == tuple(sorted({k.rank for rk in n.ranks for k in rank_keeps(two, n, rk)
                                               if k.stripe == r["stripe"]}))
         assert set(r["keepers"]) <= set(n.ranks) and r["keepers"]
-    with pytest.raises(KeyError, match="for_nodes"):
+    with pytest.raises(KeyError, match="with_node_schedules"):
         plan.node_of(0)
     with pytest.raises(ValueError, match="node id"):
-        plan.for_nodes(["x"])
+        with_node_schedules(plan, ["x"])
 
 
 def test_stripe_bytes_must_hold_a_page():

@@ -14,17 +14,17 @@ import re
 
 import pytest
 import torch
-
-import raylazy
 from checkpoints import build_checkpoint, reference_tensors
 from planlib import apply_reads, as_bytes, read_files
-from raylazy import cli
-from raylazy.errors import ConfigurationError, RuleError, StageError
-from raylazy.mesh import Coord
-from raylazy.placements import Expert, Replicated, Skip, Split, expert_block, expert_owner
-from raylazy.rules import Rule, read_rules
-from raylazy.stages import layer_index, partition
 from raytest import assert_no_leaks, live, where_am_i
+
+import raylazy
+from raylazy import cli
+from raylazy.core.mesh import Coord
+from raylazy.core.placements import Expert, Replicated, Skip, Split, expert_block, expert_owner
+from raylazy.core.rules import Rule, read_rules
+from raylazy.core.stages import layer_index, partition
+from raylazy.errors import ConfigurationError, RuleError, StageError
 
 # --- the rules, written independently -----------------------------------------------------------
 

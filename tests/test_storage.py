@@ -6,26 +6,25 @@ from __future__ import annotations
 import os
 
 import pytest
+from checkpoints import reference_tensors, shard_files
+from planlib import as_bytes, reference_shard
 
 import raylazy.io.fst as fst
 import raylazy.storage
-from raylazy.checkpoint import open_checkpoint
+from raylazy.core.options import ReaderOptions
 from raylazy.errors import ConfigurationError, UnsupportedStorageError
 from raylazy.io.ranged import read_rank
-from raylazy.options import ReaderOptions
-from raylazy.planner import make_plan
+from raylazy.planning import make_plan
 from raylazy.storage import (
     LocalStorage,
     NotAFileError,
     Source,
     Storage,
     local_path,
+    open_checkpoint,
     register_storage,
     storage_for,
 )
-
-from checkpoints import reference_tensors, shard_files
-from planlib import as_bytes, reference_shard
 
 
 class MemSource(Source):
@@ -82,7 +81,7 @@ def mem_llama(llama_dir, monkeypatch):
             files[f"mem://bucket/llama/{name}"] = f.read()
     storage = MemStorage(files)
     for registry in ("_FACTORIES", "_STORAGES"):  # registered for this test only
-        monkeypatch.setattr(raylazy.storage, registry, dict(getattr(raylazy.storage, registry)))
+        monkeypatch.setattr(raylazy.storage.registry, registry, dict(getattr(raylazy.storage.registry, registry)))
     register_storage("mem", lambda: storage)
     return storage
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoints import build_checkpoint
+
 from raylazy import plan
 
 REPO = Path(__file__).resolve().parent.parent

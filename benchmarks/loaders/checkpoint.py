@@ -43,7 +43,7 @@ class ModelSpec:
     def fixed_params(self) -> int:
         return 2 * self.vocab * self.hidden + self.hidden  # embed_tokens, lm_head (untied), final norm
 
-    def resolved(self) -> "ModelSpec":
+    def resolved(self) -> ModelSpec:
         if self.layers is not None:
             return self
         layers = round((self.size_gb * 1e9 / 2 - self.fixed_params()) / self.layer_params())

@@ -27,10 +27,10 @@ class Reads:
     merged: int
     bytes: int
 
-    def __sub__(self, other: "Reads") -> "Reads":
+    def __sub__(self, other: Reads) -> Reads:
         return Reads(self.requests - other.requests, self.merged - other.merged, self.bytes - other.bytes)
 
-    def __add__(self, other: "Reads") -> "Reads":
+    def __add__(self, other: Reads) -> Reads:
         return Reads(self.requests + other.requests, self.merged + other.merged, self.bytes + other.bytes)
 
     @property

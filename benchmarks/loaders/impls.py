@@ -196,7 +196,7 @@ def load_raw(torch, rank_plan, files: list[str], threads: int = 4) -> dict:
 
 def load_raylazy_direct(torch, rank_plan, files: list[str], backend: str = "ranged") -> dict:
     """raylazy's rank reader called in this process (no Ray): used by the smoke test only."""
-    from raylazy.options import ReaderOptions
+    from raylazy.core.options import ReaderOptions
 
     if backend == "ranged":
         from raylazy.io.ranged import read_rank

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from raylazy.actor import RankLoader
-from raylazy.io.common import ReadStats
+from raylazy.cluster.actor import RankLoader
+from raylazy.io.stats import ReadStats
 
 from .diskstats import Device
 from .impls import checksums, measured

@@ -8,6 +8,7 @@ import os
 import statistics
 
 from .impls import ALL_LOADERS as LOADER_ORDER
+
 COLORS = {"naive": "#888888", "lazy": "#bbbbbb", "fastsafetensors": "#1f77b4", "runai": "#9467bd",
           "raylazy-ranged": "#d62728", "raylazy-fst": "#ff9896", "raylazy-coop": "#ff7f0e", "raylazy-coop-readers": "#ffbb78", "raw": "#2ca02c"}
 

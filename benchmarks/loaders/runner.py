@@ -31,7 +31,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="bench-sampler")
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -100,7 +100,7 @@ class ProcessRanks:
             self.logs.append(log_path)
         self.pids: list[int] = []
 
-    def wait_ready(self) -> "ProcessRanks":
+    def wait_ready(self) -> ProcessRanks:
         """Wait until every rank process has imported its libraries (start several groups, then wait)."""
         if not self.pids:
             self.pids = [self._read(r)["ready"] for r in range(self.tp)]
@@ -195,6 +195,7 @@ def run_raylazy(model_dir: str, tp: int, options: dict, active: list[int] | None
     driver's own (its planning reads the headers) in "driver_read_bytes"."""
     import psutil
     import ray
+
     import raylazy
 
     from .rayactor import configured, shard_checksums

@@ -27,10 +27,11 @@ def main(argv: list[str]) -> int:
         msg.write(json.dumps(obj) + "\n")
 
     try:
+        from raylazy.core.plans import Plan
+
         from . import impls
         from .checkpoint import checkpoint_files
         from .diskstats import Device
-        from raylazy.plans import Plan
 
         impls.preload(loader)
         import torch

@@ -17,24 +17,24 @@ read along the first and cut down in memory (the extra bytes count as read, not 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import ceil, prod
-from typing import Iterator, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..checkpoint import Checkpoint
-from ..dtypes import DTYPE_BITS, torch_dtype
+from ..core.checkpoint import Checkpoint
+from ..core.dtypes import DTYPE_BITS, torch_dtype
+from ..core.header import TensorInfo
+from ..core.mesh import Mesh
+from ..core.options import ReaderOptions, validated
+from ..core.placements import Piece, Slicing
+from ..core.planner import tensor_shard
+from ..core.plans import FileRef, RankPlan, TensorShard
 from ..errors import ConfigurationError
-from ..header import TensorInfo
-from ..mesh import Mesh
-from ..placements import Piece, Slicing
-from ..planner import tensor_shard
-from ..plans import FileRef, RankPlan, TensorShard
 from ..io.backends import NODE_BACKENDS, read_rank, solo_backend
-from ..io.common import ReadStats
-from ..options import ReaderOptions, validated
+from ..io.stats import ReadStats
 
 #: Default bytes of regions read per batch.
 DEFAULT_BATCH_BYTES = 256 << 20
@@ -80,7 +80,7 @@ class Region:
     sizes: tuple[int, ...]
 
     @classmethod
-    def whole(cls, file: int, tensor: TensorInfo) -> "Region":
+    def whole(cls, file: int, tensor: TensorInfo) -> Region:
         return cls(file, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
 
     @property
@@ -91,7 +91,7 @@ class Region:
     def cut_dims(self) -> tuple[int, ...]:
         return tuple(d for d, (n, full) in enumerate(zip(self.sizes, self.tensor.shape)) if n != full)
 
-    def narrow(self, dim: int, start: int, length: int) -> "Region":
+    def narrow(self, dim: int, start: int, length: int) -> Region:
         """The region of `torch.narrow(self, dim, start, length)` (its errors, too)."""
         ndim = len(self.sizes)
         if not -ndim <= dim < ndim:
@@ -125,7 +125,7 @@ def _put(values: tuple[int, ...], i: int, v: int) -> tuple[int, ...]:
     return values[:i] + (v,) + values[i + 1 :]
 
 
-def lazy_weights(ckpt: Checkpoint, run: "Recording | Serving") -> Iterator[tuple[str, "LazyWeight"]]:
+def lazy_weights(ckpt: Checkpoint, run: Recording | Serving) -> Iterator[tuple[str, LazyWeight]]:
     """(name, LazyWeight) for every tensor of the checkpoint, in file order."""
     for fi, t in ckpt.tensors():
         yield t.name, LazyWeight(run, Region.whole(fi, t))
@@ -135,7 +135,7 @@ class LazyWeight:
     """A checkpoint tensor that reads nothing until used; narrowing and slicing only shrink its region. Like a
     tensor, it takes attributes of the consumer's own (vLLM tags weights with a `shard_id`)."""
 
-    def __init__(self, run: "Recording | Serving", region: Region):
+    def __init__(self, run: Recording | Serving, region: Region):
         self.run, self.region = run, region
 
     def __repr__(self) -> str:
@@ -174,17 +174,17 @@ class LazyWeight:
         return DTYPE_BITS[self.region.tensor.dtype] // 8
 
     # what only shrinks the region (or keeps it)
-    def detach(self) -> "LazyWeight":
+    def detach(self) -> LazyWeight:
         return LazyWeight(self.run, self.region)
 
-    def narrow(self, dim: int, start: int, length: int) -> "LazyWeight":
+    def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
         return LazyWeight(self.run, self.region.narrow(dim, start, length))
 
-    def chunk(self, chunks: int, dim: int = 0) -> tuple["LazyWeight", ...]:
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[LazyWeight, ...]:
         n = self.region.sizes[dim]
         return self.split(ceil(n / chunks) if n else 1, dim)
 
-    def split(self, split_size, dim: int = 0) -> tuple["LazyWeight", ...]:
+    def split(self, split_size, dim: int = 0) -> tuple[LazyWeight, ...]:
         n = self.region.sizes[dim]
         sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
             [min(split_size, n - s) for s in range(0, n, split_size)] or [0]
@@ -353,7 +353,7 @@ class Serving:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="raylazy-lazy-reader", daemon=True)
 
-    def __enter__(self) -> "Serving":
+    def __enter__(self) -> Serving:
         self._thread.start()
         return self
 
@@ -386,7 +386,7 @@ class Serving:
                     self._ready.update(got)
                     batch.read = True
                     self._cond.notify_all()
-        except BaseException as e:  # handed to the take that waits (the load fails there, with this cause)
+        except BaseException as e:  # noqa: BLE001  (handed to the take that waits: the load fails there, with it)
             with self._cond:
                 self._error = e
                 self._cond.notify_all()

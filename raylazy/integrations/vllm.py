@@ -20,8 +20,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..checkpoint import Checkpoint, open_checkpoint
-from ..plans import FileRef, RankPlan, format_bytes
+from ..core.checkpoint import Checkpoint
+from ..core.plans import FileRef, RankPlan, format_bytes
+from ..storage import open_checkpoint
 from .lazy import LazyStats, Recording, Region, Serving, lazy_options, lazy_weights
 
 logger = init_logger("vllm.raylazy")

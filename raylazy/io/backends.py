@@ -3,14 +3,14 @@ backend each rank uses, and `read_rank`: one rank's plan executed in any process
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
 
+from ..core.options import ReaderOptions
+from ..core.plans import FileRef, RankPlan
 from ..errors import ConfigurationError
-from ..options import ReaderOptions
-from ..plans import FileRef, RankPlan
 from ..storage import local_path
-from .common import Progress, ReadStats
+from .stats import Progress, ReadStats
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Backend:
 
     name: str
     read: Callable
-    check: Optional[Callable[[RankPlan], None]] = None
+    check: Callable[[RankPlan], None] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -87,10 +87,10 @@ def read_rank(
 ) -> tuple[dict, ReadStats]:
     """Execute one rank's plan in this process (no Ray needed): ({name: tensor} on `device`, its ReadStats).
 
-    `options.backend` picks the reader. With `node` (the `raylazy.schedule.NodeTask` or
-    `raylazy.io.coop_exchange.ExchangeTask` the driver made for the rank's node) it is the backend the driver
+    `options.backend` picks the reader. With `node` (the `raylazy.core.schedule.NodeTask` or
+    `raylazy.io.exchange.ExchangeTask` the driver made for the rank's node) it is the backend the driver
     chose; without, the rank reads alone: "auto" and the node backends read "ranged". `out` ({name: tensor}):
-    shards filled in place and returned as the same tensors (see `raylazy.io.common.shard_buffers`:
+    shards filled in place and returned as the same tensors (see `raylazy.io.buffers.shard_buffers`:
     BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
     bytes land. Raises on any failure; a shard of `out` may then be partly overwritten.
     """
@@ -100,8 +100,8 @@ def read_rank(
 
 
 def _register_builtin() -> None:
-    from .coop import read_rank_cooperative
-    from .coop_exchange import read_rank_exchanged
+    from .cooperative import read_rank_cooperative
+    from .exchange import read_rank_exchanged
     from .fst import check_fastsafetensors, read_rank_fastsafetensors
     from .ranged import read_rank as read_ranged
 

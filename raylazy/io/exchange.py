@@ -1,128 +1,296 @@
-"""Moving bytes between the ranks of one node: a torch.distributed process group of raylazy's own (gloo for
-CPU tensors, NCCL for CUDA tensors), never the default group, so the application stays free to call
-`torch.distributed.init_process_group` in the same processes.
+"""Cooperative reads through an exchange: one rank of a node reads its stripes of the node's schedule once,
+moves each to its device, and sends every rank of the node exactly the bytes that rank keeps; every rank
+scatters what it gets into its shards. The same code runs on CPUs over gloo and on GPUs over NCCL.
 
-The ranks of a node meet at one address, `host:port`: local rank 0 serves the rendezvous (a TCPStore) there,
-the others connect to it. `node_address(host)` picks one (the host's free port), so the driver asks one rank
-of each node for it and passes it to all of that node's ranks (see `RankLoader.exchange_address`).
+Order (deadlock-free): the stripes of each reader, in schedule order, form rounds: round t holds the t-th
+stripe of every reader that has one. Every rank of the node runs the rounds in the same order and makes one
+`Exchange.all_to_all` per round (skipped by all when nobody sends anything in it), sending to each peer the
+pieces of its own stripe that peer keeps (replicated tensors: to every keeper) and receiving the pieces of the
+other readers' stripes it keeps. Every rank derives every rank's sizes from the same schedule and keeps.
 
-Every rank calls `all_to_all` the same number of times, in the same order: each call moves, from every rank
-to every rank, a segment of the caller's `send` tensor (sizes `send_sizes`, in local-rank order) into its
-`recv` tensor (sizes `recv_sizes`). Zero-sized segments are allowed, so one call can carry one stripe from
-every reader to the ranks that keep its bytes. gloo and NCCL both implement it (`alltoall_base`).
+Memory (per rank, `ReaderOptions.staging_budget` bytes at most; `ConfigurationError` when it cannot be met):
+    staging = depth * S + max over rounds of (D_t + sent_t + received_t)
+where S is the rank's largest stripe, `depth` the staging buffers its readers fill ahead (pinned host memory
+on CUDA), D_t the device copy of the round's stripe (S_t on CUDA, 0 on the CPU, where the staging buffer is
+the stripe), and sent_t / received_t the packed bytes the rank sends / receives in round t. `depth` is the
+largest that fits the budget, at most the rank's stripe count; at least 1 is needed. `ReadStats` reports
+`staging_bytes` (that sum, as held: the buffers allocated plus the largest round's tensors) and
+`staging_buffers` (depth).
+
+Stripes are read with plain buffered positional reads (one request per stripe) through the storage
+`Source`. O_DIRECT works on this machine's ext4 /tmp, but measured on 256 MiB files evicted from the page
+cache it was not faster than buffered reads (0.5-2.4 GB/s either way, noisy), so it is not used.
 """
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
-from typing import Sequence
+import time
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from ..errors import ConfigurationError, PeerFailedError
-
-#: Exchange backends and the device type each moves.
-BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port nobody listens on at `host` now (the OS picks it; it may be taken again before it is used)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def node_address(host: str) -> str:
-    """`host:port` for a node's ranks to meet at: `host` (the IP of the node's local rank 0) and a free port."""
-    return f"{host}:{free_port(host)}"
+from ..core.options import ReaderOptions
+from ..core.plans import NodeSchedule, Plan, RankPlan, Stripe
+from ..core.schedule import Keep, rank_keeps
+from ..errors import ConfigurationError, ReadError
+from ..storage import open_planned
+from .buffers import shard_buffers
+from .collective import Exchange, backend_for
+from .stats import Counter, Progress, ReadStats
 
 
-def backend_for(device: str) -> str:
-    """The exchange backend that moves tensors on `device`: gloo on the CPU, NCCL on CUDA."""
-    for backend, kind in BACKEND_DEVICE.items():
-        if device.split(":")[0] == kind:
-            return backend
-    raise ConfigurationError(f"no exchange backend moves tensors on device {device!r}: use 'cpu' (gloo) or 'cuda' (NCCL)")
+@dataclass(frozen=True)
+class ExchangeTask:
+    """What the driver gives every rank of a node for an exchanged load: the node's schedule, the rank plans
+    of all its ranks (in `schedule.ranks` order: a reader sends what each of them keeps), and the node's
+    meeting address (`exchange.node_address`, asked of one rank of the node)."""
+
+    schedule: NodeSchedule
+    plans: tuple[RankPlan, ...]
+    address: str
+
+    @classmethod
+    def of(cls, plan: Plan, schedule: NodeSchedule, address: str) -> ExchangeTask:
+        return cls(schedule, tuple(plan.ranks[r] for r in schedule.ranks), address)
 
 
-class Exchange:
-    """A process group over the `size` ranks of one node; this process is local rank `rank`.
+class Piece(NamedTuple):
+    """Where one keep's bytes are: `rows` rows of `length` bytes at stripe byte `src` (row pitch `src_stride`),
+    landing at shard byte `dst` (pitch `dst_stride`)."""
 
-    Local rank 0 serves the rendezvous at `address` ("host:port"); every rank must construct its Exchange
-    within `timeout_s` of the others, and every collective call fails after `timeout_s` (a peer that died
-    fails it at once, gloo: connection closed). Use as a context manager: leaving it normally waits for every
-    rank to finish (a barrier); leaving on an exception aborts the group, so the peers fail instead of waiting.
+    tensor: int
+    src: int
+    src_stride: int
+    dst: int
+    dst_stride: int
+    rows: int
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.length
+
+
+def piece(keep: Keep, stripe: Stripe) -> Piece:
+    r, first, n = keep.part
+    if r.count > 1:  # rows first .. first + n - 1 of a strided read
+        return Piece(keep.tensor, r.offset + first * r.stride - stripe.start, r.stride,
+                     r.dst_offset + first * r.dst_stride, r.dst_stride, n, r.length)
+    return Piece(keep.tensor, r.offset + first - stripe.start, n, r.dst_offset + first, n, 1, n)
+
+
+class NodeRounds:
+    """The rounds of one node's schedule and what every local rank keeps of every stripe.
+
+    `own[l]`: the stripes local rank l reads, in schedule order. `pieces[s][l]`: what local rank l keeps of
+    stripe s, in its keeps' order. `sizes[s][l]`: their bytes."""
+
+    def __init__(self, plans: tuple[RankPlan, ...], sched: NodeSchedule):
+        self.sched = sched
+        self.ranks = tuple(sched.ranks)
+        local = {r: i for i, r in enumerate(self.ranks)}
+        n = len(self.ranks)
+        self.own: list[list[int]] = [[] for _ in range(n)]
+        for s, st in enumerate(sched.stripes):
+            self.own[local[st.reader]].append(s)
+        self.pieces: list[list[list[Piece]]] = [[[] for _ in range(n)] for _ in sched.stripes]
+        for rp in plans:
+            for k in rank_keeps(rp, sched):
+                self.pieces[k.stripe][local[rp.rank]].append(piece(k, sched.stripes[k.stripe]))
+        self.sizes = [[sum(p.nbytes for p in ps) for ps in per_rank] for per_rank in self.pieces]
+        self.count = max((len(o) for o in self.own), default=0)
+        #: Whether anyone sends anything in each round (else every rank skips its exchange).
+        self.busy = [any(sum(self.sizes_of(l, t)[0]) for l in range(n)) for t in range(self.count)]
+
+    def stripe(self, local: int, t: int) -> int | None:
+        """The stripe local rank `local` reads in round t, if any."""
+        own = self.own[local]
+        return own[t] if t < len(own) else None
+
+    def sizes_of(self, me: int, t: int) -> tuple[list[int], list[int]]:
+        """(bytes local rank `me` sends to each local rank, bytes it receives from each) in round t."""
+        mine = self.stripe(me, t)
+        send = [self.sizes[mine][l] if mine is not None and l != me else 0 for l in range(len(self.ranks))]
+        recv = [0 if l == me or self.stripe(l, t) is None else self.sizes[self.stripe(l, t)][me]
+                for l in range(len(self.ranks))]
+        return send, recv
+
+    def staging(self, me: int, budget: int, on_device: bool) -> tuple[int, int, int]:
+        """(depth, stripe buffer bytes S, the largest round's bytes) for local rank `me` under `budget`."""
+        lengths = [self.sched.stripes[s].end - self.sched.stripes[s].start for s in self.own[me]]
+        size = max(lengths, default=0)
+        step = 0
+        for t in range(self.count):
+            send, recv = self.sizes_of(me, t)
+            mine = self.stripe(me, t)
+            device_copy = lengths[t] if on_device and mine is not None else 0
+            step = max(step, device_copy + sum(send) + sum(recv))
+        if not size:
+            return 0, 0, step
+        depth = min(len(lengths), (budget - step) // size)
+        if depth < 1:
+            raise ConfigurationError(
+                f"staging_budget {budget} bytes is too small for rank {self.ranks[me]}: its stripes take up to {size} "
+                f"bytes and its largest exchange round {step} more, so it needs at least {size + step}: raise "
+                "staging_budget or make stripes smaller")
+        return depth, size, step
+
+
+def read_rank_exchanged(
+    plan: RankPlan,
+    device: str = "cpu",
+    *,
+    node: ExchangeTask,
+    options: ReaderOptions = ReaderOptions(),
+    on_progress: Progress | None = None,
+    out: Mapping | None = None,
+) -> tuple[dict, ReadStats]:
+    """Load `plan`'s shards on `device` cooperatively with the other ranks of its node (`node`); returns
+    ({name: tensor}, stats). Every rank of the node must call it with the same `node` at about the same
+    time, each in its own process.
+
+    The exchange runs over gloo for device "cpu" and NCCL for CUDA devices. `options`: `threads` threads
+    read stripes; staging stays within `staging_budget` bytes; a peer that does not answer for
+    `stripe_timeout_s` fails the exchange. A failure on any rank fails every rank of the node
+    (PeerFailedError on the others); no partial shard is returned. `out` as for the other readers
+    (`common.shard_buffers`).
     """
+    import torch
 
-    def __init__(self, backend: str, rank: int, size: int, address: str, timeout_s: float = 300.0,
-                 device: str | None = None):
-        """`device`: where the tensors are (default: the backend's device type; NCCL binds this process to it)."""
-        import torch.distributed as dist
+    sched = node.schedule
+    if plan.rank not in sched.ranks or tuple(p.rank for p in node.plans) != tuple(sched.ranks):
+        raise ConfigurationError(f"rank {plan.rank}: node {sched.node!r} has ranks {list(sched.ranks)} and plans for "
+                                 f"{[p.rank for p in node.plans]}: give the node's plans in its ranks' order")
+    dev = torch.device(device)
+    on_device = dev.type != "cpu"
+    stats = ReadStats(backend="exchange", device=str(dev))
+    counter = Counter(on_progress)
+    t0 = time.perf_counter()
+    rounds = NodeRounds(node.plans, sched)
+    me = sched.ranks.index(plan.rank)
+    depth, size, _ = rounds.staging(me, options.staging_budget, on_device)
+    peak = 0  # the most bytes one round held beside the staging buffers (device copy, sends, receives)
+    buffers = shard_buffers(torch, plan, dev, out)
+    flats = [flat for flat, _ in buffers]
+    sources = {}
+    try:
+        for f in sorted({sched.stripes[s].file for s in rounds.own[me]}):
+            sources[f] = open_planned(plan, f, options.storage_options)
+        with Exchange(backend_for(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)) as ex, \
+                _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size, on_device) as reader:
+            for t in range(rounds.count):
+                s = rounds.stripe(me, t)
+                data = event = None
+                held = 0
+                if s is not None:
+                    data = reader.next()
+                    stats.requests += 1
+                    stats.bytes_read += data.numel()
+                    if on_device:  # from the pinned buffer, which is refilled once this copy is done
+                        data = data.to(dev, non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record()
+                        held = data.numel()
+                    counter.add(_place(rounds.pieces[s][me], data, flats))
+                if rounds.busy[t]:
+                    send_sizes, recv_sizes = rounds.sizes_of(me, t)
+                    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=dev)
+                    o = 0
+                    for l, pieces in enumerate(rounds.pieces[s] if s is not None else ()):
+                        o = o if l == me else _pack(pieces, data, send, o)
+                    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
+                    held += send.numel() + recv.numel()
+                    ex.all_to_all(recv, send, recv_sizes, send_sizes, what=f"round {t + 1} of {rounds.count}")
+                    o = 0
+                    for l, n in enumerate(recv_sizes):
+                        if n:
+                            counter.add(_place(rounds.pieces[rounds.stripe(l, t)][me], recv, flats, packed=o))
+                            o += n
+                    stats.bytes_received += o
+                if s is not None:
+                    reader.release(event)
+                peak = max(peak, held)
+            if on_device:
+                torch.cuda.synchronize(dev)
+    finally:
+        for source in sources.values():
+            source.close()
+    stats.staging_buffers, stats.staging_bytes = depth, depth * size + peak
+    stats.bytes_needed = counter.value
+    stats.seconds = time.perf_counter() - t0
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
 
-        if backend not in BACKEND_DEVICE:
-            raise ConfigurationError(f"exchange backend {backend!r}: one of {', '.join(BACKEND_DEVICE)}")
-        if not 0 <= rank < size:
-            raise ConfigurationError(f"exchange: local rank {rank} is not in 0..{size - 1}")
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigurationError(f"exchange address {address!r} is not host:port (see raylazy.io.exchange.node_address)")
-        self.rank, self.size, self.address, self.timeout_s, self.backend = rank, size, address, timeout_s, backend
-        self.device = device or BACKEND_DEVICE[backend]
-        timeout = timedelta(seconds=timeout_s)
-        try:
-            self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
-            if backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(self._store, rank, size, timeout)
-            else:
-                import torch
 
-                torch.cuda.set_device(torch.device(self.device))
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self._pg = dist.ProcessGroupNCCL(self._store, rank, size, opts)
-        except (RuntimeError, OSError) as e:  # the rendezvous timed out, or the port is taken
-            raise PeerFailedError(
-                f"exchange: local rank {rank} of {size} could not meet the node's other ranks at {address} within "
-                f"{timeout_s:g} s ({backend}): {e}; a rank did not start, failed before joining, or the port was "
-                "taken: load again") from None
+def _rows(flat, offset: int, stride: int, rows: int, length: int):
+    """`rows` rows of `length` bytes of the flat uint8 tensor `flat`, from byte `offset`, `stride` bytes apart."""
+    return flat.as_strided((rows, length), (stride, 1), flat.storage_offset() + offset)
 
-    def all_to_all(self, recv, send, recv_sizes: Sequence[int], send_sizes: Sequence[int], what: str = "") -> None:
-        """Send segment i of `send` (`send_sizes[i]` elements) to local rank i, receive segment j of `recv`
-        from local rank j; returns when this rank's part is done (on CUDA: ordered on the current stream)."""
-        import torch.distributed as dist
 
-        try:
-            self._pg.alltoall_base(recv, send, list(recv_sizes), list(send_sizes), dist.AllToAllOptions()).wait()
-        except RuntimeError as e:
-            raise PeerFailedError(
-                f"exchange{' of ' + what if what else ''}: local rank {self.rank} of {self.size} ({self.backend} at "
-                f"{self.address}) failed: {str(e).splitlines()[0]}; another rank of the node failed (its own error "
-                f"says why) or did not answer within {self.timeout_s:g} s") from None
+def _pack(pieces: list[Piece], stripe, send, o: int) -> int:
+    """Copy `pieces` out of `stripe` into `send`, back to back from byte `o`; returns the end."""
+    for p in pieces:
+        _rows(send, o, p.length, p.rows, p.length).copy_(_rows(stripe, p.src, p.src_stride, p.rows, p.length))
+        o += p.nbytes
+    return o
 
-    def close(self, ok: bool = True) -> None:
-        """Release the group: after a barrier when `ok` (no rank leaves while a peer still needs it), else at once
-        (abort), so that peers blocked on this rank fail instead of waiting."""
-        import torch
 
-        pg, self._pg = getattr(self, "_pg", None), None
-        if pg is None:
-            return
-        done = False
-        try:
-            if ok:
-                token = torch.ones(1, device=self.device)
-                try:
-                    pg.allreduce([token]).wait()
-                    done = token.item() == self.size  # .item() waits for the device, too
-                except RuntimeError as e:
-                    raise PeerFailedError(
-                        f"exchange: local rank {self.rank} of {self.size} finished, but the node's other ranks did "
-                        f"not ({str(e).splitlines()[0]}); another rank failed (its own error says why)") from None
-        finally:
-            pg.shutdown() if done else pg.abort()
-            self._store = None
+def _place(pieces: list[Piece], data, flats, packed: int | None = None) -> int:
+    """Copy `pieces` into the shards `flats`: from their places in stripe `data`, or (`packed`) from `data`
+    back to back from byte `packed`, as `_pack` left them. Returns the bytes placed."""
+    o = packed
+    for p in pieces:
+        src = _rows(data, p.src, p.src_stride, p.rows, p.length) if o is None else _rows(data, o, p.length, p.rows, p.length)
+        _rows(flats[p.tensor], p.dst, p.dst_stride, p.rows, p.length).copy_(src)
+        o = None if o is None else o + p.nbytes
+    return sum(p.nbytes for p in pieces)
 
-    def __enter__(self) -> "Exchange":
+
+class _StripeReader:
+    """Reads one rank's stripes, in order, into `depth` reusable buffers of `size` bytes (pinned for a GPU),
+    on `threads` threads, as far ahead of the consumer as free buffers allow. Leaving it on an exception
+    drops the reads not yet started."""
+
+    def __init__(self, torch, threads: int, sources, stripes, own: list[int], depth: int, size: int, pinned: bool):
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="raylazy-stripe")
+        self.sources, self.stripes = sources, stripes
+        self.free = deque(torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(depth))
+        self.todo = deque(own)
+        self.ahead: deque = deque()  # (future, buffer) in stripe order
+        self._submit()
+
+    def __enter__(self) -> _StripeReader:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        self.close(ok=exc_type is None)
+        self.pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+
+    def next(self):
+        """The next stripe's bytes (a view of its buffer); its buffer is in use until `release`."""
+        return self.ahead[0][0].result()
+
+    def release(self, event=None) -> None:
+        """The consumer is done with the oldest stripe (once `event`, its device copy, completes)."""
+        if event is not None:
+            event.synchronize()
+        self.free.append(self.ahead.popleft()[1])
+        self._submit()
+
+    def _submit(self) -> None:
+        while self.free and self.todo:
+            buf = self.free.popleft()
+            self.ahead.append((self.pool.submit(self._read, self.todo.popleft(), buf), buf))
+
+    def _read(self, s: int, buf):
+        st = self.stripes[s]
+        source = self.sources[st.file]
+        n = min(st.end, source.size) - st.start
+        try:
+            source.readinto(st.start, [memoryview(buf.numpy()).cast("B")[:n]])
+        except OSError as e:
+            raise ReadError(f"{source.uri}: reading stripe {s} (bytes {st.start}-{st.start + n}): {e.strerror or e}") from None
+        except EOFError as e:
+            raise ReadError(f"{source.uri}: file ended early reading stripe {s} at byte {st.start}: {e}; it was "
+                            "truncated since planning") from None
+        return buf[:n]

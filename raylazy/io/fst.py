@@ -49,15 +49,16 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Mapping
 from math import prod
-from typing import Mapping, Optional
 
-from ..dtypes import DTYPE_BITS
+from ..core.dtypes import DTYPE_BITS
+from ..core.options import ReaderOptions
+from ..core.plans import RankPlan, TensorShard
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
-from ..plans import RankPlan, TensorShard
-from ..options import ReaderOptions
-from ..storage import local_path
-from .common import Progress, ReadStats, open_verified, shard_buffers
+from ..storage import local_path, open_verified
+from .buffers import shard_buffers
+from .stats import Progress, ReadStats
 
 log = logging.getLogger("raylazy")
 
@@ -161,7 +162,7 @@ def _fst_can_read(t: TensorShard) -> bool:
     return t.dtype != "F4" or (len(t.full_shape) > 0 and t.full_shape[-1] % 2 == 0)
 
 
-def _want_gds(nogds: Optional[bool], dev) -> bool:
+def _want_gds(nogds: bool | None, dev) -> bool:
     """GDS only to a CUDA device, and only unless nogds is True (None: the driver found us alone on the node)."""
     return dev.type == "cuda" and nogds is not True
 

@@ -1,6 +1,6 @@
 """Execute one rank's plan with positional reads straight into its shard tensors.
 
-The rank's schedule (`raylazy.schedule`) cuts each shard into windows of whole destination rows (at most
+The rank's schedule (`raylazy.core.schedule`) cuts each shard into windows of whole destination rows (at most
 `chunk_bytes`, or one row if a row is larger). A thread pool reads windows concurrently through the files'
 `Source`s (`raylazy.storage`: `os.preadv` locally), each row range landing in place: `threads` threads, or more
 where a source serves more reads at once (its `concurrency`: object storage's GETs in flight). A window's rows
@@ -16,15 +16,16 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Mapping
 
+from ..core.options import ReaderOptions
+from ..core.plans import RankPlan, Read
+from ..core.schedule import RankSchedule, Window, rank_schedule
 from ..errors import ReadError
-from ..plans import RankPlan, Read
-from ..schedule import RankSchedule, Window, rank_schedule
-from ..options import ReaderOptions
-from ..storage import Source
-from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
+from ..storage import Source, open_planned
+from .buffers import shard_buffers
+from .stats import Counter, Progress, ReadStats
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

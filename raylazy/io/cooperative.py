@@ -48,15 +48,16 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping
 
+from ..core.options import ReaderOptions
+from ..core.plans import NodeSchedule, RankPlan
+from ..core.schedule import NodeTask, rank_keeps
 from ..errors import ConfigurationError, ReadError
-from ..options import ReaderOptions
-from ..plans import NodeSchedule, RankPlan
-from ..schedule import NodeTask, rank_keeps
-from ..storage import LocalSource, Source
-from .common import Counter, Progress, ReadStats, open_planned, shard_buffers
+from ..storage import LocalSource, Source, open_planned
+from .buffers import shard_buffers
+from .stats import Counter, Progress, ReadStats
 
 PENDING, READY, FAILED = 0, 1, 2
 #: madvise(MADV_POPULATE_READ) (Linux >= 5.14; Python's mmap module lacks the constant); 0 once it failed.
@@ -153,7 +154,7 @@ def _open_local(plan: RankPlan, f: int) -> LocalSource:
     return source
 
 
-def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, ready: "ReadyMap", size: int,
+def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, ready: ReadyMap, size: int,
                   stop: threading.Event) -> None:
     """One reader thread: take the next of this rank's stripes (shared iterator), bring it whole into the page
     cache, mark it ready; repeat until none is left or `stop` is set.
@@ -206,7 +207,7 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
             mm.close()
 
 
-def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: "ReadyMap | None", buffers,
+def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: ReadyMap | None, buffers,
           counter, readers: list, timeout_s: float) -> None:
     """Copy every keep into its shard as soon as its stripe is ready (in whatever order stripes become ready);
     with no ready map (no stripe readers), every keep at once, in stripe order."""

@@ -7,12 +7,12 @@ import sys
 import time
 import uuid
 
+from ..core.options import LoadOptions, ReaderOptions
+from ..core.plans import Plan
+from ..core.schedule import NodeTask, group_by_node, with_node_schedules
+from ..io.backends import NODE_BACKENDS, backend_for
+from ..io.stats import ReadStats
 from .group import RankGroup
-from .io.backends import NODE_BACKENDS, backend_for
-from .io.common import ReadStats
-from .options import LoadOptions, ReaderOptions
-from .plans import Plan
-from .schedule import NodeTask, group_by_node
 
 
 def read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> tuple[Plan, list[ReadStats]]:
@@ -23,7 +23,7 @@ def read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> 
     nodes = group_by_node([r.node_id for r in ranks])
     readers = [rank_reader(opts.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
     if any(r.backend in NODE_BACKENDS for r in readers):
-        plan = plan.for_nodes(nodes.node_of, opts.reader.stripe_bytes)
+        plan = with_node_schedules(plan, nodes.node_of, opts.reader.stripe_bytes)
     tasks = node_tasks(group, plan, readers, opts.timeout_s)
     calls = [getattr(a, method).remote(rp, reader, task)
              for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
@@ -59,7 +59,7 @@ def node_tasks(group: RankGroup, plan: Plan, readers: list, timeout_s: float) ->
     """Per rank, what it needs to read with its node: a NodeTask (cooperative: one load id for the node's
     ready map), an ExchangeTask (exchange: the node's schedule, rank plans and meeting address, asked of the
     node's first rank), or None (a rank reading alone)."""
-    from .io.coop_exchange import ExchangeTask
+    from ..io.exchange import ExchangeTask
 
     load_id = uuid.uuid4().hex[:16]
     meet = sorted({plan.node_of(r).ranks[0] for r, rd in enumerate(readers) if rd.backend == "exchange"})

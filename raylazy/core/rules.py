@@ -3,7 +3,7 @@
 A rule is a pattern (a glob by default, a regular expression with `regex=True`)
 and a placement. The first rule that matches a name wins. User rules go before
 the preset chosen from config.json's `model_type`, so they override it. A rule may
-also name the pipeline stage of tensors without a layer index (`raylazy.stages`):
+also name the pipeline stage of tensors without a layer index (`raylazy.core.stages`):
 the first matching rule that names one decides.
 """
 
@@ -13,10 +13,11 @@ import fnmatch
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence, Union, get_args
+from typing import get_args
 
-from .errors import RuleError, RuleFileError, UnknownArchitectureError, UnmatchedTensorError
+from ..errors import RuleError, RuleFileError, UnknownArchitectureError, UnmatchedTensorError
 from .placements import Expert, Fused, Heads, Placement, Replicated, Skip, Split, placement_from_dict
 from .stages import Stage
 
@@ -24,12 +25,12 @@ from .stages import Stage
 @dataclass(frozen=True)
 class Rule:
     """Tensors whose name matches `pattern` get `placement`; those without a layer index go to `stage`
-    ("first", "last", "all" or "embedding", see `raylazy.stages`) when the mesh has pipeline stages."""
+    ("first", "last", "all" or "embedding", see `raylazy.core.stages`) when the mesh has pipeline stages."""
 
     pattern: str
     placement: Placement
     regex: bool = False
-    stage: Optional[Stage] = None
+    stage: Stage | None = None
 
     def __post_init__(self):
         if self.stage is not None and self.stage not in get_args(Stage):
@@ -46,7 +47,7 @@ class Rule:
         return (Rule, (self.pattern, self.placement, self.regex, self.stage))
 
 
-RulesLike = Union[Sequence[Union[Rule, tuple]], Mapping[str, Placement]]
+RulesLike = Sequence[Rule | tuple] | Mapping[str, Placement]
 
 COLUMN, ROW = Split(0), Split(-1)
 
@@ -137,7 +138,7 @@ def as_rules(rules: RulesLike | None) -> tuple[Rule, ...]:
     for item in items:
         rule = item if isinstance(item, Rule) else Rule(*item)
         if not isinstance(rule.placement, Placement):
-            raise RuleError(f"rule {rule.pattern!r}: {rule.placement!r} is not a placement (a raylazy.placements.Placement)")
+            raise RuleError(f"rule {rule.pattern!r}: {rule.placement!r} is not a placement (a raylazy.core.placements.Placement)")
         out.append(rule)
     return tuple(out)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .mesh import Mesh
 
 M = TypeVar("M", bound=BaseModel)
@@ -37,15 +37,15 @@ class PlanOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     mesh: Mesh
-    #: Layers per pipeline stage (None: vLLM's even split, `raylazy.stages.partition`).
-    pp_layers: Optional[tuple[Annotated[int, Field(ge=0)], ...]] = None
-    #: Whole routed experts to the tp ranks of their stage (`raylazy.placements.Expert`) instead of tp slices.
+    #: Layers per pipeline stage (None: vLLM's even split, `raylazy.core.stages.partition`).
+    pp_layers: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    #: Whole routed experts to the tp ranks of their stage (`raylazy.core.placements.Expert`) instead of tp slices.
     expert_parallel: bool = False
-    preset: Optional[str] = "auto"
+    preset: str | None = "auto"
     uneven: Literal["error", "chunk", "pad"] = "error"
     #: Row gaps of at most this many bytes are read as one request; None: the storage's default (0 for local
-    #: files, 1 MiB for object storage: `raylazy.objectstore.DEFAULT_MAX_GAP`).
-    max_gap: Optional[int] = Field(None, ge=0)
+    #: files, 1 MiB for object storage: `raylazy.storage.objects.DEFAULT_MAX_GAP`).
+    max_gap: int | None = Field(None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -64,7 +64,7 @@ class PlanOptions(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _one_count_per_stage(self) -> "PlanOptions":
+    def _one_count_per_stage(self) -> PlanOptions:
         if self.pp_layers is not None and len(self.pp_layers) != self.mesh.pp:
             raise ValueError(f"pp_layers={list(self.pp_layers)} gives {len(self.pp_layers)} stage(s), the mesh has "
                              f"pp={self.mesh.pp}: give one layer count per stage")
@@ -100,14 +100,14 @@ class ReaderOptions(BaseModel):
     #: cooperative with stripe readers: a keeper waiting this long with no stripe of its becoming ready fails (its
     #: reader died).
     stripe_timeout_s: float = Field(300.0, gt=0)
-    #: exchanged cooperative reads (raylazy.io.coop_exchange): most bytes a rank stages (stripes read ahead,
+    #: exchanged cooperative reads (raylazy.io.exchange): most bytes a rank stages (stripes read ahead,
     #: their device copy, one round's sends and receives); too small for a rank's stripes: ConfigurationError.
     staging_budget: int = Field(DEFAULT_STAGING_BUDGET, ge=4096)
     #: fastsafetensors: None tries GPUDirect Storage when alone on a node, else nogds.
-    nogds: Optional[bool] = None
-    #: Object storage: credentials, endpoint, client and retry settings (`raylazy.objectstore`), over the
+    nogds: bool | None = None
+    #: Object storage: credentials, endpoint, client and retry settings (`raylazy.storage.objects`), over the
     #: environment's. Also used to plan. Kept out of reprs (it may hold secrets).
-    storage_options: dict[str, Union[str, bool, int, float]] = Field(default_factory=dict, repr=False)
+    storage_options: dict[str, str | bool | int | float] = Field(default_factory=dict, repr=False)
 
 
 class PlacementOptions(BaseModel):
@@ -118,14 +118,14 @@ class PlacementOptions(BaseModel):
     #: "auto": the GPU Ray assigned to the rank's actor, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: Reserve one GPU per rank: None = when the cluster has GPUs.
-    use_gpu: Optional[bool] = None
+    use_gpu: bool | None = None
     #: CPUs reserved per rank: None = 1, or on a local Ray that raylazy started, an equal share of its CPUs
     #: (min(1, CPUs / tp)), so any tp loads on any machine.
-    cpus_per_rank: Optional[float] = Field(None, ge=0)
+    cpus_per_rank: float | None = Field(None, ge=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     #: Whether an autoscaler may add nodes for a request the cluster cannot place now: None = detect it.
     #: Without one, an unplaceable request fails at once instead of waiting placement_timeout_s.
-    autoscale: Optional[bool] = None
+    autoscale: bool | None = None
     placement_timeout_s: float = Field(300.0, gt=0)
     #: Times a rank's actor is restarted (and re-reads its plan) after its process dies.
     max_retries: int = Field(2, ge=0)
@@ -143,11 +143,11 @@ class LoadOptions(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
     #: How shard refs travel: "auto" = object store for CPU shards, CUDA IPC for GPU shards.
     transport: Literal["auto", "object_store", "nccl", "gloo", "nixl", "cuda_ipc"] = "auto"
-    #: How a rank copies its shards from a live replica's rank (`raylazy.peers`): "auto" = the object store for
+    #: How a rank copies its shards from a live replica's rank (`raylazy.cluster.replicas`): "auto" = the object store for
     #: CPU shards, NCCL (Ray's direct tensor transport, device to device) for GPU shards.
     peer_transport: Literal["auto", "object_store", "nccl", "gloo"] = "auto"
     #: Show a progress bar: None = when stderr is a terminal.
-    progress: Optional[bool] = None
+    progress: bool | None = None
 
     @property
     def tp(self) -> int:

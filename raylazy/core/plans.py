@@ -9,12 +9,12 @@ reader fetches the whole span (gaps included) in one request and keeps the rows.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..errors import LayoutMismatchError, PlanFormatError
 from .dtypes import DTYPE_BITS
-from .errors import LayoutMismatchError, PlanFormatError
 from .mesh import Mesh
 
 
@@ -32,8 +32,8 @@ class FileRef(_Frozen):
     version: str = ""
 
     @classmethod
-    def of(cls, header) -> "FileRef":
-        """The plan's reference to a file whose header was read (a `raylazy.header.FileHeader`)."""
+    def of(cls, header) -> FileRef:
+        """The plan's reference to a file whose header was read (a `raylazy.core.header.FileHeader`)."""
         return cls(uri=header.path, size=header.file_size, digest=header.digest, version=header.version)
 
 
@@ -83,7 +83,7 @@ class TensorShard(_Frozen):
     full_shape: tuple[int, ...]
     shape: tuple[int, ...]
     placement: str
-    dim: Optional[int]
+    dim: int | None
     pieces: tuple[tuple[int, int, int], ...]
     reads: tuple[Read, ...]
 
@@ -159,7 +159,7 @@ class Stripe(NamedTuple):
 
 
 class NodeSchedule(_Frozen):
-    """One node's cooperative reads (`raylazy.schedule.node_schedule`): the page-rounded, coalesced union of
+    """One node's cooperative reads (`raylazy.core.schedule.node_schedule`): the page-rounded, coalesced union of
     the bytes its ranks need, cut into `stripes` of at most `stripe_bytes`, each read once by one of its
     `ranks` (global ranks; the local rank is the index). Stripes are sorted by (file, start) and disjoint;
     each reader's stripes are one contiguous run of the union, so it reads sequentially."""
@@ -181,10 +181,10 @@ class NodeSchedule(_Frozen):
 
 class Plan(_Frozen):
     """The whole load: one RankPlan per rank, plus what was planned from and skipped; `nodes`, when
-    scheduled (`for_nodes`), holds each node's cooperative reads."""
+    scheduled (`raylazy.core.schedule.with_node_schedules`), holds each node's cooperative reads."""
 
     root: str
-    model_type: Optional[str]
+    model_type: str | None
     mesh: Mesh
     max_gap: int
     uneven: str
@@ -198,19 +198,13 @@ class Plan(_Frozen):
     def tp(self) -> int:
         return self.mesh.tp
 
-    def for_nodes(self, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0) -> "Plan":
-        """A copy with one NodeSchedule per node, `node_ids[r]` being the node rank r runs on (see
-        `raylazy.schedule.node_schedule` for stripe_bytes and max_gap)."""
-        from .schedule import node_schedules
-
-        return self.model_copy(update={"nodes": node_schedules(self, node_ids, stripe_bytes, max_gap)})
-
     def node_of(self, rank: int) -> NodeSchedule:
         """The schedule of the node holding `rank` (KeyError if the plan has none for it)."""
         for n in self.nodes:
             if rank in n.ranks:
                 return n
-        raise KeyError(f"rank {rank} is on no scheduled node: call plan.for_nodes(...) first")
+        raise KeyError(f"rank {rank} is on no scheduled node: schedule the plan first "
+                       "(raylazy.core.schedule.with_node_schedules)")
 
     @property
     def bytes_needed(self) -> int:
@@ -224,7 +218,7 @@ class Plan(_Frozen):
         return self.model_dump_json(indent=indent)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Plan":
+    def from_json(cls, text: str | bytes) -> Plan:
         try:
             return cls.model_validate_json(text)
         except ValidationError as e:
@@ -256,22 +250,6 @@ class Plan(_Frozen):
         import pandas as pd
 
         return pd.DataFrame(self.to_rows())
-
-    def node_rows(self) -> list[dict]:
-        """One dict per stripe of every scheduled node: who reads it and which ranks keep bytes of it."""
-        from .schedule import rank_keeps
-
-        rows = []
-        for n in self.nodes:
-            keepers: dict[int, set[int]] = {}
-            for r in n.ranks:
-                for k in rank_keeps(self, n, r):
-                    keepers.setdefault(k.stripe, set()).add(r)
-            for i, s in enumerate(n.stripes):
-                rows.append({"node": n.node, "stripe": i, "file": os.path.basename(self.files[s.file].uri),
-                             "start": s.start, "end": s.end, "bytes": s.end - s.start, "reader": s.reader,
-                             "keepers": tuple(sorted(keepers.get(i, ())))})
-        return rows
 
     def summary(self) -> str:
         """A per-rank table of bytes, requests and files, as `raylazy plan` prints it."""

@@ -8,9 +8,10 @@ first stage, and the last too when the word embeddings are tied: the last stage 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Literal, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
 
-from .errors import ConfigurationError, StageError
+from ..errors import ConfigurationError, StageError
 
 Stage = Literal["first", "last", "all", "embedding"]
 

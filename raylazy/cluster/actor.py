@@ -20,13 +20,14 @@ import os
 import pickle
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from .errors import NoShardsError
-from .io.common import Counter, ReadStats
-from .options import ReaderOptions
-from .plans import RankPlan
+from ..core.options import ReaderOptions
+from ..core.plans import RankPlan
+from ..errors import NoShardsError
+from ..io.stats import Counter, ReadStats
 
 log = logging.getLogger("raylazy")
 
@@ -132,16 +133,16 @@ class RankMixin:
 
     def exchange_address(self) -> str:
         """`host:port` on this rank's node where its node's ranks can meet for an exchanged load
-        (`raylazy.io.exchange`): the driver asks one rank per node and gives the answer to all of them."""
+        (`raylazy.io.collective`): the driver asks one rank per node and gives the answer to all of them."""
         import ray
 
-        from .io.exchange import node_address
+        from ..io.collective import node_address
 
         return node_address(ray.util.get_node_ip_address())
 
     def load(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
         """Read this rank's shards into new tensors on its device (the old ones are dropped first); `node` (a
-        `raylazy.schedule.NodeTask` or a `raylazy.io.coop_exchange.ExchangeTask`) is what a node backend needs
+        `raylazy.core.schedule.NodeTask` or a `raylazy.io.exchange.ExchangeTask`) is what a node backend needs
         to read with the other ranks of the node. On failure nothing is kept."""
         return self._read(plan, options, node, in_place=False)
 
@@ -154,10 +155,10 @@ class RankMixin:
     def receive(self, source, plan: RankPlan, options: ReaderOptions, transport: str = "object_store",
                 in_place: bool = False) -> ReadStats:
         """Copy this rank's shards from `source`, the rank actor with the same stage and tp rank in a live replica
-        (`raylazy.peers`, in batches of `options.staging_budget` bytes), instead of reading storage; `in_place`
+        (`raylazy.cluster.replicas`, in batches of `options.staging_budget` bytes), instead of reading storage; `in_place`
         (a reload): into the shards it holds, as `reload` does. On failure (a PeerFailedError) nothing is kept
         (nothing valid, in place); restarted later, the rank reads `plan` from storage with `options`."""
-        from .peers import receive_shards
+        from .receive import receive_shards
 
         out = self._held_buffers(plan) if in_place else None
         state = self._begin(in_place)
@@ -169,7 +170,7 @@ class RankMixin:
 
     def forget_load(self, load_id: str) -> None:
         """After a failed cooperative load `load_id`: remove what it left on this node (its ready map)."""
-        from .io.coop import remove_ready_maps
+        from ..io.cooperative import remove_ready_maps
 
         remove_ready_maps(load_id)
 
@@ -221,7 +222,7 @@ class RankMixin:
         return self._raylazy
 
     def _read(self, plan: RankPlan, options: ReaderOptions, node, in_place: bool) -> ReadStats:
-        from .io.backends import read_rank
+        from ..io.backends import read_rank
 
         out = self._held_buffers(plan) if in_place else None
         state = self._begin(in_place)
@@ -235,7 +236,7 @@ class RankMixin:
         process); a plan whose shards do not fit them is a BufferMismatchError, and leaves them as they were."""
         import torch
 
-        from .io.common import check_buffers
+        from ..io.buffers import check_buffers
 
         state = self._rank()
         if state.shards is not None:

@@ -1,57 +1,25 @@
-"""Turn a checkpoint's headers and sharding rules into a Plan of per-rank byte ranges."""
+"""Turn a checkpoint's headers (already read) and sharding rules into a Plan of per-rank byte ranges."""
 
 from __future__ import annotations
 
 import gc
-import os
 from contextlib import contextmanager
 from math import prod
-from typing import Any, Mapping, Sequence
 
-from .checkpoint import Checkpoint, open_checkpoint
+from ..errors import PartialByteSliceError, ShardingError, StageError
+from .checkpoint import Checkpoint
 from .dtypes import DTYPE_BITS
-from .errors import PartialByteSliceError, ShardingError, StageError
 from .header import TensorInfo
 from .mesh import Mesh
-from .options import PlanOptions, validated
-from .placements import ShardContext, Slicing, Uneven
+from .options import PlanOptions
+from .placements import ShardContext, Slicing
 from .plans import FileRef, Plan, RankPlan, Read, TensorShard
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
 from .stages import partition, tensor_stages
-from .storage import storage_for
-
-
-def make_plan(
-    model: str | os.PathLike | Checkpoint,
-    tp: int | None = None,
-    *,
-    pp: int | None = None,
-    mesh: Mesh | None = None,
-    rules: RulesLike | None = None,
-    pp_layers: Sequence[int] | None = None,
-    expert_parallel: bool = False,
-    preset: str | None = "auto",
-    uneven: Uneven = "error",
-    max_gap: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> Plan:
-    """Plan which bytes of which file every rank of `mesh` (or of `tp` x `pp` ranks) reads. Reads headers only.
-
-    Give `tp` and `pp` or `mesh` (neither: one rank); invalid options are a ConfigurationError. With pipeline
-    stages, each stage's ranks get only its tensors (`raylazy.stages`: vLLM's layer split, or `pp_layers`
-    per stage); with `expert_parallel`, routed experts go whole to the tp ranks of their stage. `max_gap` None:
-    the storage's default (0 for local files, `raylazy.objectstore.DEFAULT_MAX_GAP` for object storage).
-    `storage_options` configure object storage (see `raylazy.objectstore`).
-    """
-    opts = validated(PlanOptions, tp=tp, pp=pp, mesh=mesh, pp_layers=pp_layers, expert_parallel=expert_parallel,
-                     preset=preset, uneven=uneven, max_gap=max_gap)
-    with _gc_paused():
-        return _plan(model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options), rules, opts,
-                     storage_options)
 
 
 @contextmanager
-def _gc_paused():
+def gc_paused():
     """Pause Python's cyclic garbage collector: a large checkpoint's headers and plan are ~10^5 small acyclic
     objects, and the collector's passes over them (and over all else alive) cost more than planning itself
     (DeepSeek-V3, 45k tensors: 1.2-1.8 s of CPU with it, 0.75 s without)."""
@@ -64,10 +32,20 @@ def _gc_paused():
             gc.enable()
 
 
-def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_options: Mapping[str, Any] | None) -> Plan:
+def plan_checkpoint(ckpt: Checkpoint, opts: PlanOptions, rules: RulesLike | None = None,
+                    default_max_gap: int = 0) -> Plan:
+    """Plan which bytes of which file every rank of `opts.mesh` reads, from headers already read (`ckpt`).
+
+    With pipeline stages, each stage's ranks get only its tensors (`raylazy.core.stages`: vLLM's layer split,
+    or `opts.pp_layers` per stage); with `opts.expert_parallel`, routed experts go whole to the tp ranks of
+    their stage. `opts.max_gap` None: `default_max_gap` (the storage's: 0 for local files)."""
+    with gc_paused():
+        return _plan(ckpt, rules, opts if opts.max_gap is not None else
+                     opts.model_copy(update={"max_gap": default_max_gap}))
+
+
+def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
     mesh = opts.mesh
-    if opts.max_gap is None:
-        opts = opts.model_copy(update={"max_gap": storage_for(ckpt.root, storage_options).default_max_gap})
     cfg = ckpt.config
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
     chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
@@ -120,7 +98,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, storage_
 
 def with_replicas(plan: Plan, dp: int) -> Plan:
     """`plan` for `dp` replicas: replica r's rank plans are replica 0's (the plan's first ranks), with replica r's
-    global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.peers`)."""
+    global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.cluster.replicas`)."""
     per = plan.mesh.size // plan.mesh.dp
     mesh = Mesh(**{**plan.mesh.shape, "dp": dp})  # a bad dp is Mesh's ConfigurationError
     ranks = tuple(RankPlan(rank=r * per + i, mesh=mesh, files=plan.files, tensors=rp.tensors)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 #: The dimensions a mesh may name, outermost first: data-parallel replicas, pipeline stages,
 #: tensor parallel.

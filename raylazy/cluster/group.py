@@ -18,9 +18,9 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ..errors import ConfigurationError, PlacementError, RankFailedError
 from .actor import RankInfo, RankLoader, forget_rank
-from .errors import ConfigurationError, PlacementError, RankFailedError
-from .placement import describe_resources
+from .bundles import describe_resources
 
 
 @dataclass
@@ -45,7 +45,7 @@ class RankGroup:
 
     @classmethod
     def create(cls, bundles: list[dict], device: str = "auto", strategy: str = "PACK", max_retries: int = 2,
-               actor_cls: type = RankLoader, groups: int = 1) -> "RankGroup":
+               actor_cls: type = RankLoader, groups: int = 1) -> RankGroup:
         """Create the placement group(s) (one bundle per rank; `groups` > 1: that many groups of consecutive
         ranks, e.g. one per pipeline stage, each under `strategy`) and one `actor_cls` actor in each bundle.
 
@@ -57,7 +57,7 @@ class RankGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, RankLoader)):
-            raise ConfigurationError(f"actor_cls must be raylazy.actor.RankLoader or a subclass of it, got {actor_cls!r}")
+            raise ConfigurationError(f"actor_cls must be raylazy.cluster.actor.RankLoader or a subclass of it, got {actor_cls!r}")
         name = f"raylazy-{uuid.uuid4().hex[:8]}"
         size = len(bundles) // groups
         names = [name] if groups == 1 else [f"{name}-stage{g}" for g in range(groups)]
@@ -96,7 +96,7 @@ class RankGroup:
         return cls(name, actors, pgs)
 
     @classmethod
-    def adopt(cls, actors: list, device: str = "auto", timeout_s: float = 300.0) -> "RankGroup":
+    def adopt(cls, actors: list, device: str = "auto", timeout_s: float = 300.0) -> RankGroup:
         """A group of the caller's actors, rank r being `actors[r]`: each must have `raylazy.RankMixin`'s methods;
         each is made rank r (`rank_init`) now, so the group is ready when this returns."""
         missing = sorted({m for a in actors for m in RANK_METHODS if not hasattr(a, m)})

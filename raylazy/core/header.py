@@ -1,4 +1,5 @@
-"""Strict reader of safetensors headers: reads the length prefix and JSON header, never tensor data.
+"""Strict parser of safetensors headers from bytes (the length prefix and JSON header); reading them is storage's job
+(`raylazy.storage.read_header`).
 
 The rules follow huggingface/safetensors (which is the reference for what is
 accepted), including its JSON parser's (serde_json's) limits everywhere in the
@@ -15,20 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
-from .dtypes import DTYPE_BITS, nbytes_of
-from .errors import (
+from ..errors import (
     DataLayoutError,
     DuplicateKeyError,
     FileSizeMismatchError,
     FileTooSmallError,
     HeaderEncodingError,
-    HeaderError,
     HeaderJSONError,
     HeaderLengthError,
     MetadataError,
@@ -38,7 +37,7 @@ from .errors import (
     TooManyEntriesError,
     UnknownDTypeError,
 )
-from .storage import NotAFileError, open_source
+from .dtypes import DTYPE_BITS, nbytes_of
 
 #: Largest header the reader accepts, as in huggingface/safetensors.
 MAX_HEADER_BYTES = 100_000_000
@@ -91,30 +90,11 @@ class FileHeader:
         return 8 + self.header_len
 
 
-def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FileHeader:
-    """Read and validate the header of the safetensors file at `path` (a path or URI, opened with
-    `storage_options`; no tensor data)."""
-    path = os.fspath(path)
-    try:
-        source = open_source(path, storage_options)
-    except NotAFileError:
-        raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file") from None
-    with source:
-        file_size = source.size
-        source.random_access()  # read the header and nothing past it (see LocalSource.random_access)
-        prefix = source.read(0, min(8, file_size))
-        if len(prefix) < 8:
-            raise FileTooSmallError(path, f"file is {file_size} bytes, shorter than the 8-byte header length prefix")
-        header_len = _check_length(path, prefix, file_size)
-        blob = source.read(8, header_len)
-    return replace(parse_header(prefix + blob, file_size, path), version=source.version)
-
-
 def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHeader:
     """Validate `data` (the first 8 + N bytes of a file of `file_size` bytes)."""
     if len(data) < 8:
         raise FileTooSmallError(path, f"file is {len(data)} bytes, shorter than the 8-byte header length prefix")
-    header_len = _check_length(path, data[:8], file_size)
+    header_len = check_length(path, data[:8], file_size)
     blob = bytes(data[8 : 8 + header_len])
     _check_item_counts(path, blob)
     try:
@@ -159,7 +139,7 @@ def _check_item_counts(path: str, blob: bytes) -> None:
             )
 
 
-def _check_length(path: str, prefix: bytes, file_size: int) -> int:
+def check_length(path: str, prefix: bytes, file_size: int) -> int:
     n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER_BYTES:
         raise HeaderLengthError(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping, NamedTuple, get_type_hints
+from typing import Any, ClassVar, Literal, NamedTuple, get_type_hints
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from .errors import IndivisibleDimError, RuleError, validation_problems
+from ..errors import IndivisibleDimError, RuleError, validation_problems
 
 Uneven = Literal["error", "chunk", "pad"]
 
@@ -48,7 +49,7 @@ class ShardContext(NamedTuple):
 
     `rank` and `tp` are the rank's tensor-parallel coordinate and the tp size (what
     most placements need); `coords` holds the rank's coordinate along every mesh
-    dimension (`raylazy.mesh.DIMS`); `name` is the tensor's name; `expert_parallel`
+    dimension (`raylazy.core.mesh.DIMS`); `name` is the tensor's name; `expert_parallel`
     and `num_experts` (config.json's) are for `Expert`.
     """
 
@@ -64,7 +65,7 @@ class ShardContext(NamedTuple):
 
 
 #: Placement classes by the type name rule files use (`{"type": "split", "dim": -1}`).
-PLACEMENT_TYPES: dict[str, type["Placement"]] = {}
+PLACEMENT_TYPES: dict[str, type[Placement]] = {}
 
 
 class Placement(ABC):
@@ -118,7 +119,7 @@ class Placement(ABC):
         return out
 
     @classmethod
-    def from_fields(cls, values: dict[str, Any]) -> "Placement":
+    def from_fields(cls, values: dict[str, Any]) -> Placement:
         """Build from rule-file fields (nested placements already built), each checked (strictly) against its type."""
         checks = _field_checks(cls)
         problems = [f"unknown field {k!r} (fields: {', '.join(checks) or 'none'})" for k in values if k not in checks]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import CheckpointNotFoundError, ModelNotCachedError
+from ..errors import CheckpointNotFoundError, ModelNotCachedError
 
 #: `name` or `namespace/name`, optionally `@revision` (a branch, tag or commit hash).
 _MODEL_ID = re.compile(r"^(?P<repo>[\w.-]+(?:/[\w.-]+)?)(?:@(?P<revision>[\w./-]+))?$")

@@ -16,11 +16,13 @@ its one stripe: a row of a strided read that crosses a stripe cut is given as a 
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .options import DEFAULT_STRIPE_BYTES
 from .plans import NodeSchedule, Plan, RankPlan, Read, Stripe, TensorShard
 
@@ -154,6 +156,27 @@ class Keep(NamedTuple):
     rank: int
     tensor: int
     part: Part
+
+
+def with_node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0) -> Plan:
+    """A copy of `plan` whose `nodes` hold one NodeSchedule per node, `node_ids[r]` being the node rank r runs on
+    (see `node_schedule` for stripe_bytes and max_gap)."""
+    return plan.model_copy(update={"nodes": node_schedules(plan, node_ids, stripe_bytes, max_gap)})
+
+
+def node_rows(plan: Plan) -> list[dict]:
+    """One dict per stripe of every node `plan` schedules: who reads it and which ranks keep bytes of it."""
+    rows = []
+    for n in plan.nodes:
+        keepers: dict[int, set[int]] = {}
+        for r in n.ranks:
+            for k in rank_keeps(plan, n, r):
+                keepers.setdefault(k.stripe, set()).add(r)
+        for i, s in enumerate(n.stripes):
+            rows.append({"node": n.node, "stripe": i, "file": os.path.basename(plan.files[s.file].uri),
+                         "start": s.start, "end": s.end, "bytes": s.end - s.start, "reader": s.reader,
+                         "keepers": tuple(sorted(keepers.get(i, ())))})
+    return rows
 
 
 def node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None,

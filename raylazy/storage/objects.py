@@ -33,17 +33,18 @@ from __future__ import annotations
 import errno
 import threading
 from bisect import bisect_right
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from itertools import accumulate
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import obstore
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import from_url
 
-from .errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, StorageAccessError, first_line
-from .storage import NotAFileError, Source, Storage
+from ..errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, StorageAccessError, first_line
+from .base import NotAFileError, Source, Storage
 
 #: Default `max_gap` for checkpoints in object storage: row gaps up to 1 MiB are read through. A request costs
 #: about what 1 MiB of transfer costs (tens of ms to first byte against ~50-100 MB/s per connection; S3 also
@@ -68,7 +69,7 @@ _BACKOFF_KEYS = {"init_backoff": "init_backoff", "max_backoff": "max_backoff", "
 class ObjectSource(Source):
     """One object version: range GETs (with If-Match on its ETag) into caller buffers; large ranges in parts."""
 
-    def __init__(self, storage: "ObjectStorage", store, key: str, uri: str, size: int, etag: str):
+    def __init__(self, storage: ObjectStorage, store, key: str, uri: str, size: int, etag: str):
         self.storage, self.store, self.key = storage, store, key
         self.uri, self.size, self.version = uri, size, etag
         self.concurrency = storage.max_concurrency

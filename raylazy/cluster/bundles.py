@@ -13,11 +13,10 @@ import json
 import logging
 import math
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from .errors import PlacementError
-from .options import PlacementOptions
-
+from ..core.options import PlacementOptions
+from ..errors import PlacementError
 
 #: GCS address of the local Ray that `ensure_ray` started in this process, if any.
 _started_gcs: str | None = None

@@ -3,7 +3,7 @@
 A thin composition: options -> Ray (joined or started) -> bundles checked against the
 cluster -> a `RankGroup` created first, so its actors start (import torch) while the
 driver plans (or the caller's own actors, `actors=`) -> replica 0's ranks read their plan
-(`raylazy.reading`), the other replicas copy from them (`raylazy.peers`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
+(`raylazy.cluster.reading`), the other replicas copy from them (`raylazy.cluster.replicas`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
 timeout or a KeyboardInterrupt, releases all of it. `reload` plans another checkpoint of the
 same layout and the same ranks read it, through the same step, into the shards they hold.
 """
@@ -13,22 +13,24 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from ..core.mesh import Coord, Mesh
+from ..core.options import LoadOptions, load_options
+from ..core.planner import with_replicas
+from ..core.plans import Plan, check_same_layout, format_bytes
+from ..core.rules import RulesLike
+from ..errors import ConfigurationError, NoShardsError
+from ..io.backends import check_backend
+from ..io.stats import ReadStats
+from ..planning import make_plan
 from .actor import RankInfo, RankLoader
-from .errors import ConfigurationError, NoShardsError
+from .bundles import check_placeable, ensure_ray, rank_bundles, stage_strategy
 from .group import RankGroup
-from .io.backends import check_backend
-from .io.common import ReadStats
-from .options import LoadOptions, load_options
-from .mesh import Coord, Mesh
-from .peers import copy_from_replicas
-from .placement import check_placeable, ensure_ray, rank_bundles, stage_strategy
-from .plans import Plan, check_same_layout, format_bytes
-from .planner import make_plan, with_replicas
 from .reading import read_ranks
-from .rules import RulesLike
+from .replicas import copy_from_replicas
 
 log = logging.getLogger("raylazy")
 
@@ -118,7 +120,7 @@ class LoadedModel:
             f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas"
         )
 
-    def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> "LoadedModel":
+    def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> LoadedModel:
         """Read another checkpoint of the same layout into the shards the ranks hold: the same actors, the same
         tensors (no allocation, every `data_ptr` unchanged), so whatever holds them sees the new weights.
 
@@ -152,7 +154,7 @@ class LoadedModel:
         self.group.release()
         self._refs = {}
 
-    def __enter__(self) -> "LoadedModel":
+    def __enter__(self) -> LoadedModel:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -182,7 +184,7 @@ def load(
     `pp_layers` per stage), and its tp ranks are packed on one node when a node can hold them. expert_parallel:
     routed MoE experts go whole to the tp ranks of their stage.
 
-    rules: sharding rules before the preset (see `raylazy.rules`). device: "auto" (the GPU Ray gives the
+    rules: sharding rules before the preset (see `raylazy.core.rules`). device: "auto" (the GPU Ray gives the
     rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
     page cache on CPUs, "cooperative"; stripes exchanged over NCCL on GPUs, "exchange"; a rank alone on its node
     reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
@@ -191,11 +193,11 @@ def load(
     only drops their shards (the placement options are then unused).
 
     replicas: copies of the tp group (`mesh[g].replica`); replica 0's ranks read from storage, the others copy
-    their shards from them (`raylazy.peers`). source: a live LoadedModel to copy every shard from (rank by rank,
+    their shards from them (`raylazy.cluster.replicas`). source: a live LoadedModel to copy every shard from (rank by rank,
     same stage and tp rank) with no storage access; model_dir, tp, mesh and rules then come from its plan. A
     rank whose copy fails reads from storage instead; when that fails too, a PeerFailedError.
 
-    Options (validated before anything starts, see `raylazy.options`; a ConfigurationError otherwise): preset,
+    Options (validated before anything starts, see `raylazy.core.options`; a ConfigurationError otherwise): preset,
     uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes, stripe_timeout_s,
     staging_budget (also the batch of a peer copy), nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
     autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, peer_transport, progress.

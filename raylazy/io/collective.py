@@ -1,0 +1,128 @@
+"""Moving bytes between the ranks of one node: a torch.distributed process group of raylazy's own (gloo for
+CPU tensors, NCCL for CUDA tensors), never the default group, so the application stays free to call
+`torch.distributed.init_process_group` in the same processes.
+
+The ranks of a node meet at one address, `host:port`: local rank 0 serves the rendezvous (a TCPStore) there,
+the others connect to it. `node_address(host)` picks one (the host's free port), so the driver asks one rank
+of each node for it and passes it to all of that node's ranks (see `RankLoader.exchange_address`).
+
+Every rank calls `all_to_all` the same number of times, in the same order: each call moves, from every rank
+to every rank, a segment of the caller's `send` tensor (sizes `send_sizes`, in local-rank order) into its
+`recv` tensor (sizes `recv_sizes`). Zero-sized segments are allowed, so one call can carry one stripe from
+every reader to the ranks that keep its bytes. gloo and NCCL both implement it (`alltoall_base`).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+
+from ..errors import ConfigurationError, PeerFailedError
+
+#: Exchange backends and the device type each moves.
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nobody listens on at `host` now (the OS picks it; it may be taken again before it is used)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_address(host: str) -> str:
+    """`host:port` for a node's ranks to meet at: `host` (the IP of the node's local rank 0) and a free port."""
+    return f"{host}:{free_port(host)}"
+
+
+def backend_for(device: str) -> str:
+    """The exchange backend that moves tensors on `device`: gloo on the CPU, NCCL on CUDA."""
+    for backend, kind in BACKEND_DEVICE.items():
+        if device.split(":")[0] == kind:
+            return backend
+    raise ConfigurationError(f"no exchange backend moves tensors on device {device!r}: use 'cpu' (gloo) or 'cuda' (NCCL)")
+
+
+class Exchange:
+    """A process group over the `size` ranks of one node; this process is local rank `rank`.
+
+    Local rank 0 serves the rendezvous at `address` ("host:port"); every rank must construct its Exchange
+    within `timeout_s` of the others, and every collective call fails after `timeout_s` (a peer that died
+    fails it at once, gloo: connection closed). Use as a context manager: leaving it normally waits for every
+    rank to finish (a barrier); leaving on an exception aborts the group, so the peers fail instead of waiting.
+    """
+
+    def __init__(self, backend: str, rank: int, size: int, address: str, timeout_s: float = 300.0,
+                 device: str | None = None):
+        """`device`: where the tensors are (default: the backend's device type; NCCL binds this process to it)."""
+        import torch.distributed as dist
+
+        if backend not in BACKEND_DEVICE:
+            raise ConfigurationError(f"exchange backend {backend!r}: one of {', '.join(BACKEND_DEVICE)}")
+        if not 0 <= rank < size:
+            raise ConfigurationError(f"exchange: local rank {rank} is not in 0..{size - 1}")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigurationError(f"exchange address {address!r} is not host:port (see raylazy.io.collective.node_address)")
+        self.rank, self.size, self.address, self.timeout_s, self.backend = rank, size, address, timeout_s, backend
+        self.device = device or BACKEND_DEVICE[backend]
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+            if backend == "gloo":
+                self._pg = dist.ProcessGroupGloo(self._store, rank, size, timeout)
+            else:
+                import torch
+
+                torch.cuda.set_device(torch.device(self.device))
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self._pg = dist.ProcessGroupNCCL(self._store, rank, size, opts)
+        except (RuntimeError, OSError) as e:  # the rendezvous timed out, or the port is taken
+            raise PeerFailedError(
+                f"exchange: local rank {rank} of {size} could not meet the node's other ranks at {address} within "
+                f"{timeout_s:g} s ({backend}): {e}; a rank did not start, failed before joining, or the port was "
+                "taken: load again") from None
+
+    def all_to_all(self, recv, send, recv_sizes: Sequence[int], send_sizes: Sequence[int], what: str = "") -> None:
+        """Send segment i of `send` (`send_sizes[i]` elements) to local rank i, receive segment j of `recv`
+        from local rank j; returns when this rank's part is done (on CUDA: ordered on the current stream)."""
+        import torch.distributed as dist
+
+        try:
+            self._pg.alltoall_base(recv, send, list(recv_sizes), list(send_sizes), dist.AllToAllOptions()).wait()
+        except RuntimeError as e:
+            raise PeerFailedError(
+                f"exchange{' of ' + what if what else ''}: local rank {self.rank} of {self.size} ({self.backend} at "
+                f"{self.address}) failed: {str(e).splitlines()[0]}; another rank of the node failed (its own error "
+                f"says why) or did not answer within {self.timeout_s:g} s") from None
+
+    def close(self, ok: bool = True) -> None:
+        """Release the group: after a barrier when `ok` (no rank leaves while a peer still needs it), else at once
+        (abort), so that peers blocked on this rank fail instead of waiting."""
+        import torch
+
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is None:
+            return
+        done = False
+        try:
+            if ok:
+                token = torch.ones(1, device=self.device)
+                try:
+                    pg.allreduce([token]).wait()
+                    done = token.item() == self.size  # .item() waits for the device, too
+                except RuntimeError as e:
+                    raise PeerFailedError(
+                        f"exchange: local rank {self.rank} of {self.size} finished, but the node's other ranks did "
+                        f"not ({str(e).splitlines()[0]}); another rank failed (its own error says why)") from None
+        finally:
+            pg.shutdown() if done else pg.abort()
+            self._store = None
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(ok=exc_type is None)

@@ -1,0 +1,46 @@
+"""`raylazy.plan`: a checkpoint named by a path, URI or cached model id, found and its headers read through storage,
+then planned by the core (`raylazy.core.planner`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .core.checkpoint import Checkpoint
+from .core.mesh import Mesh
+from .core.options import PlanOptions, validated
+from .core.placements import Uneven
+from .core.planner import gc_paused, plan_checkpoint
+from .core.plans import Plan
+from .core.rules import RulesLike
+from .storage import open_checkpoint, storage_for
+
+
+def make_plan(
+    model: str | os.PathLike | Checkpoint,
+    tp: int | None = None,
+    *,
+    pp: int | None = None,
+    mesh: Mesh | None = None,
+    rules: RulesLike | None = None,
+    pp_layers: Sequence[int] | None = None,
+    expert_parallel: bool = False,
+    preset: str | None = "auto",
+    uneven: Uneven = "error",
+    max_gap: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Plan which bytes of which file every rank of `mesh` (or of `tp` x `pp` ranks) reads. Reads headers only.
+
+    Give `tp` and `pp` or `mesh` (neither: one rank); invalid options are a ConfigurationError. With pipeline
+    stages, each stage's ranks get only its tensors (`raylazy.core.stages`: vLLM's layer split, or `pp_layers`
+    per stage); with `expert_parallel`, routed experts go whole to the tp ranks of their stage. `max_gap` None:
+    the storage's default (0 for local files, `raylazy.storage.objects.DEFAULT_MAX_GAP` for object storage).
+    `storage_options` configure object storage (see `raylazy.storage.objects`).
+    """
+    opts = validated(PlanOptions, tp=tp, pp=pp, mesh=mesh, pp_layers=pp_layers, expert_parallel=expert_parallel,
+                     preset=preset, uneven=uneven, max_gap=max_gap)
+    with gc_paused():  # the headers are most of the small objects too
+        ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options)
+        return plan_checkpoint(ckpt, opts, rules, storage_for(ckpt.root, storage_options).default_max_gap)

@@ -1,0 +1,13 @@
+"""Where checkpoint bytes come from: the storage interface (`base`), local files (`local`), object storage
+(`objects`), the scheme registry (`registry`), checkpoint discovery (`discovery`), the Hugging Face cache
+(`hub`), and planned files opened and checked (`verified`)."""
+
+from .base import NotAFileError, Source, Storage, local_path, scheme_of
+from .discovery import open_checkpoint, read_header
+from .local import LocalSource, LocalStorage
+from .registry import OBJECT_SCHEMES, open_source, register_storage, storage_for
+from .verified import open_planned, open_verified
+
+__all__ = ["LocalSource", "LocalStorage", "NotAFileError", "OBJECT_SCHEMES", "Source", "Storage", "local_path",
+           "open_checkpoint", "open_planned", "open_source", "open_verified", "read_header", "register_storage",
+           "scheme_of", "storage_for"]

@@ -1,0 +1,116 @@
+"""The storage interface: a `Storage` per URI scheme opens `Source`s that read byte ranges into the caller's memory.
+
+Every reader of checkpoint bytes (headers, index and config.json, the rank readers) goes through this
+interface, so a new kind of storage is one module that subclasses `Storage` and `Source` and registers a
+factory (`raylazy.storage.register_storage`). Implementations: local files (`raylazy.storage.local`) and object
+storage (`raylazy.storage.objects`).
+
+Contract of a `Source`: `readinto` fills the buffers completely or raises (`EOFError` when
+the data ends first, `OSError` for any I/O failure); hints (`random_access`, `will_need`)
+are advice and never raise. `Storage.open` raises `NotAFileError` for something that is
+not a plain file (a directory, FIFO or device), `OSError` when it cannot open.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class NotAFileError(OSError):
+    """The URI names something that is not a plain file (a directory, FIFO or device)."""
+
+
+class Source(ABC):
+    """One opened file or object: its URI and size, and positional reads into caller buffers."""
+
+    uri: str
+    size: int
+    #: The opened version's tag (an object's ETag; "" where the storage has none, as for local files).
+    version: str = ""
+    #: Reads this source serves best at once (object storage: its requests in flight); the ranged reader keeps at
+    #: least this many windows in flight.
+    concurrency: int = 1
+
+    @abstractmethod
+    def read(self, offset: int, n: int) -> bytes:
+        """Up to `n` bytes from `offset` (fewer only where the data ends)."""
+
+    @abstractmethod
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill `buffers`, one after another, with the bytes from `offset` on, completely or raise."""
+
+    def try_readinto(self, offset: int, buffer: memoryview) -> int:
+        """Copy into `buffer` what can be had without waiting on storage (e.g. cached pages); returns
+        the bytes copied, 0 if none (or if the storage cannot tell)."""
+        return 0
+
+    def random_access(self) -> None:
+        """Hint: reads will be scattered; read nothing ahead of them."""
+
+    def will_need(self, start: int, end: int) -> None:
+        """Hint: bytes [start, end) will be read soon; start fetching them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the source (idempotent)."""
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Storage(ABC):
+    """One URI scheme: opens sources and answers the directory questions checkpoint discovery asks."""
+
+    #: The planner's `max_gap` when the caller gives none: row gaps up to this many bytes are read through
+    #: (0 locally: a positional read costs little; object storage pays per request).
+    default_max_gap: int = 0
+
+    @abstractmethod
+    def open(self, uri: str) -> Source:
+        """Open `uri` for reading; `NotAFileError` if it is not a plain file, `OSError` if it cannot be opened."""
+
+    @abstractmethod
+    def list(self, uri: str) -> list[str]:
+        """The names in directory `uri`."""
+
+    @abstractmethod
+    def exists(self, uri: str) -> bool: ...
+
+    @abstractmethod
+    def is_file(self, uri: str) -> bool:
+        """True for a plain file (following links)."""
+
+    @abstractmethod
+    def is_dir(self, uri: str) -> bool: ...
+
+    def absolute(self, uri: str) -> str:
+        """`uri` in the form plans keep (the local storage makes paths absolute)."""
+        return uri
+
+    def join(self, uri: str, name: str) -> str:
+        return uri.rstrip("/") + "/" + name
+
+    def split(self, uri: str) -> tuple[str, str]:
+        """(parent, name)."""
+        parent, _, name = uri.rpartition("/")
+        return parent, name
+
+
+
+
+def scheme_of(uri: str) -> str:
+    """The URI's scheme ('' for a plain path)."""
+    head, sep, _ = uri.partition("://")
+    return head if sep and head.isidentifier() else ""
+
+
+def local_path(uri: str) -> str | None:
+    """The local path `uri` names (a plain path or a `file://` URI, for libraries that open files themselves),
+    None if it is not local."""
+    if scheme_of(uri) not in ("", "file"):
+        return None
+    return uri[len("file://"):] if uri.startswith("file://") else uri

@@ -1,0 +1,136 @@
+"""Find a checkpoint through storage: its safetensors files (an index, one file, or a directory's files), their
+headers, and config.json, read and handed to the core's parsers (`raylazy.core.header`, `raylazy.core.checkpoint`).
+
+Symbolic links are followed (the Hugging Face cache links each shard to a blob elsewhere), but only names the
+directory itself lists (or its index names) are ever opened, and whatever they point to must parse as a valid
+safetensors file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..core.checkpoint import (
+    INDEX_NAME,
+    MAX_JSON_BYTES,
+    SINGLE_NAME,
+    Checkpoint,
+    ModelConfig,
+    cross_check,
+    parse_config,
+    parse_index,
+)
+from ..core.header import FileHeader, check_length, parse_header
+from ..errors import (
+    CheckpointNotFoundError,
+    FileTooSmallError,
+    HeaderError,
+    IndexFileError,
+    MissingShardError,
+    ModelConfigError,
+)
+from .base import NotAFileError, Storage
+from .hub import resolve_model
+from .registry import open_source, storage_for
+
+
+def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FileHeader:
+    """Read and validate the header of the safetensors file at `path` (a path or URI, opened with
+    `storage_options`; no tensor data)."""
+    path = os.fspath(path)
+    try:
+        source = open_source(path, storage_options)
+    except NotAFileError:
+        raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file") from None
+    with source:
+        file_size = source.size
+        source.random_access()  # read the header and nothing past it (see LocalSource.random_access)
+        prefix = source.read(0, min(8, file_size))
+        if len(prefix) < 8:
+            raise FileTooSmallError(path, f"file is {file_size} bytes, shorter than the 8-byte header length prefix")
+        blob = source.read(8, check_length(path, prefix, file_size))
+    return replace(parse_header(prefix + blob, file_size, path), version=source.version)
+
+
+def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Discover the safetensors files of `model_dir` (a path or URI, or a model id in the local Hugging Face
+    cache), validate their headers and read config.json; object storage is reached with `storage_options`."""
+    model = resolve_model(model_dir)
+    storage = storage_for(model, storage_options)
+    path = storage.absolute(model)
+    if storage.is_file(path):
+        root, name = storage.split(path)
+        names, weight_map = [name], None
+    elif storage.is_dir(path):
+        root = path
+        names, weight_map = _discover(storage, root)
+    else:
+        raise CheckpointNotFoundError(f"{path}: no such file or directory")
+    index = storage.join(root, INDEX_NAME)
+    headers = tuple(_read_shard(storage, root, n, index if weight_map is not None else None, storage_options)
+                    for n in names)
+    cross_check(root, index, names, headers, weight_map)
+    return Checkpoint(root=root, files=headers, config=_read_config(storage, root))
+
+
+def _discover(storage: Storage, root: str) -> tuple[list[str], dict[str, str] | None]:
+    index = storage.join(root, INDEX_NAME)
+    if storage.exists(index):
+        weight_map = parse_index(_read_small(storage, index, IndexFileError), index)
+        names = sorted(set(weight_map.values()))
+        if not names:
+            raise CheckpointNotFoundError(f"{index}: 'weight_map' names no tensors")
+        return names, weight_map  # each shard's existence is checked as its header is read (`_read_shard`)
+    if storage.is_file(storage.join(root, SINGLE_NAME)):
+        return [SINGLE_NAME], None
+    names = sorted(n for n in storage.list(root) if n.endswith(".safetensors") and storage.is_file(storage.join(root, n)))
+    if not names:
+        raise CheckpointNotFoundError(
+            f"{root}: no {INDEX_NAME}, no {SINGLE_NAME} and no *.safetensors files; point raylazy at a model directory"
+        )
+    return names, None
+
+
+def _read_shard(storage: Storage, root: str, name: str, index: str | None,
+                storage_options: Mapping[str, Any] | None) -> FileHeader:
+    """The header of shard `name`; one the index (`index`) names that is not a plain file is a MissingShardError.
+    Checked only when opening it fails: a separate look-up first would cost object storage a second HEAD per shard."""
+    path = storage.join(root, name)
+    try:
+        return read_header(path, storage_options)
+    except (OSError, HeaderError):
+        if index is not None and not storage.is_file(path):
+            raise MissingShardError(f"{index}: shard {name!r} is not in {root}") from None
+        raise
+
+
+def _read_config(storage: Storage, root: str) -> ModelConfig:
+    path = storage.join(root, "config.json")
+    try:
+        data = _read_small(storage, path, ModelConfigError)
+    except ModelConfigError:  # no config.json (asked only now: object storage pays a HEAD per look-up)
+        if not storage.is_file(path):
+            return ModelConfig()
+        raise
+    return parse_config(data, path)
+
+
+def _read_small(storage: Storage, path: str, error: type) -> bytes:
+    """The bytes of a plain file of at most MAX_JSON_BYTES; a FIFO, device or directory (an index
+    linked to /dev/zero would never end) or a larger file raises `error`."""
+    try:
+        source = storage.open(path)
+    except NotAFileError:
+        raise error(f"{path}: not a regular file (a directory, FIFO or device)") from None
+    except OSError as e:
+        raise error(f"{path}: cannot open: {e.strerror}") from None
+    with source:
+        if source.size > MAX_JSON_BYTES:
+            raise error(f"{path}: larger than the {MAX_JSON_BYTES}-byte cap for JSON files")
+        try:
+            return source.read(0, source.size)
+        except OSError as e:
+            raise error(f"{path}: cannot read: {e.strerror}") from None

@@ -1,0 +1,58 @@
+"""Open a planned checkpoint file and check it is the one planned (size, version tag, header digest) before a
+reader takes bytes from it."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.header import MAX_HEADER_BYTES
+from ..core.plans import FileRef, RankPlan
+from ..errors import FileChangedError, ReadError
+from .base import NotAFileError, Source
+from .registry import open_source
+
+
+def open_planned(plan: RankPlan, f: int, storage_options: Mapping[str, Any] | None = None) -> Source:
+    """`open_verified` for file `f` of a rank plan; a failure also names the rank's tensors that file holds."""
+    try:
+        return open_verified(plan.files[f], storage_options)
+    except (FileChangedError, ReadError) as e:
+        names = [t.name for t in plan.tensors if any(r.file == f for r in t.reads)]
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise type(e)(f"{e} (needed for tensor {names[0]!r}{more})" if names else str(e)) from None
+
+
+def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None) -> Source:
+    """Open a planned file after checking its size, version tag (an object's ETag) and header digest match the
+    plan; read-ahead is off (the reader hints what it needs). The caller closes the returned source."""
+    try:
+        source = open_source(ref.uri, storage_options)
+    except NotAFileError:
+        raise FileChangedError(f"{ref.uri}: is no longer a regular file (a directory, FIFO or device); it was "
+                               "replaced since planning: plan again") from None
+    except OSError as e:
+        raise ReadError(f"{ref.uri}: cannot open planned checkpoint file: {e.strerror}") from None
+    try:
+        if source.size != ref.size:
+            raise FileChangedError(
+                f"{ref.uri}: file is {source.size} bytes but was {ref.size} when planned; it was replaced or "
+                "truncated since planning: plan again"
+            )
+        if ref.version and source.version != ref.version:
+            raise FileChangedError(f"{ref.uri}: the object's ETag is {source.version} but was {ref.version} when "
+                                   "planned; it was replaced since planning: plan again")
+        source.random_access()
+        prefix = source.read(0, 8)
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        head = prefix + source.read(8, n) if 0 <= n <= MAX_HEADER_BYTES else prefix
+        if hashlib.sha256(head).hexdigest() != ref.digest:
+            raise FileChangedError(f"{ref.uri}: header differs from the one planned; the file was replaced: plan again")
+    except OSError as e:
+        source.close()
+        raise ReadError(f"{ref.uri}: cannot read header: {e.strerror}") from None
+    except BaseException:
+        source.close()
+        raise
+    return source
