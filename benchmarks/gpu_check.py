@@ -75,7 +75,7 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
     from benchmarks.loaders.impls import load_raw
     from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import node_schedule
-    from raylazy.io.collective import ExchangeTask, read_rank_exchanged
+    from raylazy.io.exchange import ExchangeTask, read_rank_exchanged
     from raylazy.io.fst import read_rank_fastsafetensors
     from raylazy.io.ranged import read_rank
 
