@@ -19,8 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import ConfigurationError, PlacementError, RankFailedError
-from .actor import RankInfo, RankLoader, forget_rank
+from .actor import RANK_METHODS, RankInfo, RankLoader
 from .bundles import describe_resources
+from .ray_internals import forget_rank
 
 
 @dataclass
@@ -189,8 +190,12 @@ class RankGroup:
                         ray.kill(a, no_restart=True)
                     else:
                         dropping.append(a.release.remote())
-                    forget_rank(a._actor_id.hex())
                 except Exception:  # noqa: BLE001  (already dead)
+                    pass
+            for info in self.ranks if self.owned else ():  # the caller's actors forget theirs in release()
+                try:
+                    forget_rank(info.actor_id)
+                except Exception:  # noqa: BLE001  (Ray is shutting down: its KV goes with it)
                     pass
             if dropping:  # the caller's actors may run calls concurrently: released means their shards are dropped
                 ray.wait(dropping, num_returns=len(dropping), timeout=RELEASE_WAIT_S)
@@ -199,11 +204,6 @@ class RankGroup:
 
 #: How long `release` waits for the caller's actors to drop their shards (a dead or stuck one is not waited for).
 RELEASE_WAIT_S = 30.0
-
-#: The methods raylazy calls on a rank actor (`raylazy.RankMixin` has them all).
-RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release",
-                "forget_load")
-
 
 @contextmanager
 def _sigint_deferred():
