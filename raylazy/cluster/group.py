@@ -54,26 +54,13 @@ class RankGroup:
         the load: examples/autoscaling_experiment.py times each phase this way).
         """
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, RankLoader)):
             raise ConfigurationError(f"actor_cls must be raylazy.cluster.actor.RankLoader or a subclass of it, got {actor_cls!r}")
         name = f"raylazy-{uuid.uuid4().hex[:8]}"
         size = len(bundles) // groups
-        names = [name] if groups == 1 else [f"{name}-stage{g}" for g in range(groups)]
-        pgs = []
-        try:
-            for g, pg_name in enumerate(names):
-                pgs.append(placement_group(bundles[g * size : (g + 1) * size], strategy=strategy, name=pg_name))
-        except BaseException:  # a KeyboardInterrupt can land once a group exists but before it is returned
-            for pg_name in names[len(pgs):]:
-                try:
-                    pgs.append(ray.util.get_placement_group(pg_name))
-                except Exception:  # noqa: BLE001  (it was not created)
-                    pass
-            _remove(pgs)
-            raise
+        pgs = _placement_groups(name, bundles, strategy, groups)
         # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
         remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
         create = (
@@ -220,6 +207,30 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if caught:
         raise KeyboardInterrupt
+
+
+def _placement_groups(name: str, bundles: list[dict], strategy: str, groups: int) -> list:
+    """`groups` placement groups of consecutive bundles under `strategy`, named from `name`; none is left behind
+    when creating them is interrupted (a KeyboardInterrupt can land once a group exists but before it is
+    returned: it is found by name and removed)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    size = len(bundles) // groups
+    names = [name] if groups == 1 else [f"{name}-stage{g}" for g in range(groups)]
+    pgs = []
+    try:
+        for g, pg_name in enumerate(names):
+            pgs.append(placement_group(bundles[g * size : (g + 1) * size], strategy=strategy, name=pg_name))
+    except BaseException:
+        for pg_name in names[len(pgs):]:
+            try:
+                pgs.append(ray.util.get_placement_group(pg_name))
+            except Exception:  # noqa: BLE001  (it was not created)
+                pass
+        _remove(pgs)
+        raise
+    return pgs
 
 
 def _remove(pgs: list) -> None:

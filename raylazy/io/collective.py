@@ -36,7 +36,7 @@ def node_address(host: str) -> str:
     return f"{host}:{free_port(host)}"
 
 
-def backend_for(device: str) -> str:
+def collective_backend(device: str) -> str:
     """The exchange backend that moves tensors on `device`: gloo on the CPU, NCCL on CUDA."""
     for backend, kind in BACKEND_DEVICE.items():
         if device.split(":")[0] == kind:
