@@ -123,13 +123,14 @@ class RankMixin:
         return self._rank().progress.value
 
     def exchange_address(self) -> str:
-        """`host:port` on this rank's node where its node's ranks can meet for an exchanged load
-        (`raylazy.io.collective`): the driver asks one rank per node and gives the answer to all of them."""
+        """Serve the rendezvous of this rank's node for an exchanged load and return its `host:port`
+        (`raylazy.io.collective.serve_rendezvous`): the driver asks each node's first rank and gives the answer
+        to all of the node's ranks."""
         import ray
 
-        from ..io.collective import node_address
+        from ..io.collective import serve_rendezvous
 
-        return node_address(ray.util.get_node_ip_address())
+        return serve_rendezvous(ray.util.get_node_ip_address())
 
     def load(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
         """Read this rank's shards into new tensors on its device (the old ones are dropped first); `node` (a

@@ -3,8 +3,10 @@ CPU tensors, NCCL for CUDA tensors), never the default group, so the application
 `torch.distributed.init_process_group` in the same processes.
 
 The ranks of a node meet at one address, `host:port`: local rank 0 serves the rendezvous (a TCPStore) there,
-the others connect to it. `node_address(host)` picks one (the host's free port), so the driver asks one rank
-of each node for it and passes it to all of that node's ranks (see `RankLoader.exchange_address`).
+the others connect to it. The driver asks the node's local rank 0 to `serve_rendezvous` (the server binds a port
+the OS picks, so nothing can take it before the load starts) and passes the address to all of that node's ranks
+(see `RankMixin.exchange_address`); the Exchange that rank then makes there uses that server. Where no rank
+serves it ahead (`node_address`: a free port picked now), local rank 0's Exchange starts the server itself.
 
 Every rank calls `all_to_all` the same number of times, in the same order: each call moves, from every rank
 to every rank, a segment of the caller's `send` tensor (sizes `send_sizes`, in local-rank order) into its
@@ -34,6 +36,23 @@ def free_port(host: str = "") -> int:
 def node_address(host: str) -> str:
     """`host:port` for a node's ranks to meet at: `host` (the IP of the node's local rank 0) and a free port."""
     return f"{host}:{free_port(host)}"
+
+
+#: Rendezvous servers this process started (`serve_rendezvous`) that no Exchange has taken yet, by address.
+_SERVED: dict[str, object] = {}
+
+
+def serve_rendezvous(host: str) -> str:
+    """Start serving a node's rendezvous in this process on a port the OS picks as it binds it, and return the
+    address (`host:port`); the Exchange this process makes at that address, as local rank 0, uses the server. A
+    rank takes part in one load at a time: servers started for earlier loads that never began are closed."""
+    import torch.distributed as dist
+
+    _SERVED.clear()
+    store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
+    address = f"{host}:{store.port}"
+    _SERVED[address] = store
+    return address
 
 
 def collective_backend(device: str) -> str:
@@ -69,7 +88,10 @@ class Exchange:
         self.device = device or BACKEND_DEVICE[backend]
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+            self._store = _SERVED.pop(address, None) if rank == 0 else None
+            if self._store is None:
+                self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+            self._store.set_timeout(timeout)
             if backend == "gloo":
                 self._pg = dist.ProcessGroupGloo(self._store, rank, size, timeout)
             else:
