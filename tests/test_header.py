@@ -1016,5 +1016,26 @@ def test_raised_header_errors_pickle_round_trip(tmp_path):
 
 def test_rank_failed_error_keeps_its_context_across_pickling():
     err = errors.RankFailedError({0: ValueError("boom")}, context="plan")
-    assert str(err).startswith("plan failed on rank(s) 0")
+    assert str(err).startswith("plan failed on 1 rank(s):\n  rank 0: ValueError: boom")
     assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+def test_rank_failed_error_lists_each_cause_once_with_its_ranks():
+    """64 ranks failing alike are one line (as Ray Train groups worker errors); causes differing only in numbers
+    group too, shown by the lowest rank's message; other causes get lines of their own."""
+    same = {r: errors.ReadError(f"/m/a.safetensors: reading tensor 'w' at byte {100 * r}: Input/output error")
+            for r in range(64)}
+    err = errors.RankFailedError(same)
+    assert str(err).splitlines() == [
+        "load failed on 64 rank(s):",
+        "  ranks 0-63: ReadError: /m/a.safetensors: reading tensor 'w' at byte 0: Input/output error "
+        "(the others' differ only in numbers)"]
+    mixed = errors.RankFailedError({5: ValueError("boom"), 0: errors.PeerFailedError("peer 3 died"),
+                                    1: errors.PeerFailedError("peer 3 died"), 7: ValueError("boom"),
+                                    2: errors.PeerFailedError("peer 3 died"), 6: KeyError("x")}, context="reload")
+    assert str(mixed).splitlines() == [
+        "reload failed on 6 rank(s):",
+        "  ranks 0-2: PeerFailedError: peer 3 died",
+        "  ranks 5, 7: ValueError: boom",
+        "  rank 6: KeyError: 'x'"]
+    assert list(mixed.failures) == [0, 1, 2, 5, 6, 7]

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import ConfigurationError, PeerFailedError
+from ..errors import ConfigurationError, PeerFailedError, first_line
 
 #: Exchange backends and the device type each moves.
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -36,7 +36,7 @@ def node_address(host: str) -> str:
     return f"{host}:{free_port(host)}"
 
 
-def backend_for(device: str) -> str:
+def collective_backend(device: str) -> str:
     """The exchange backend that moves tensors on `device`: gloo on the CPU, NCCL on CUDA."""
     for backend, kind in BACKEND_DEVICE.items():
         if device.split(":")[0] == kind:
@@ -76,6 +76,9 @@ class Exchange:
                 import torch
 
                 torch.cuda.set_device(torch.device(self.device))
+                # ProcessGroupNCCL takes its timeout only through Options._timeout (gloo's constructor takes one):
+                # torch.distributed sets the same attribute in its own _new_process_group_helper, and a group of
+                # our own (not init_process_group's default group) has no public road to it.
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self._pg = dist.ProcessGroupNCCL(self._store, rank, size, opts)
@@ -95,7 +98,7 @@ class Exchange:
         except RuntimeError as e:
             raise PeerFailedError(
                 f"exchange{' of ' + what if what else ''}: local rank {self.rank} of {self.size} ({self.backend} at "
-                f"{self.address}) failed: {str(e).splitlines()[0]}; another rank of the node failed (its own error "
+                f"{self.address}) failed: {first_line(e)}; another rank of the node failed (its own error "
                 f"says why) or did not answer within {self.timeout_s:g} s") from None
 
     def close(self, ok: bool = True) -> None:
@@ -116,7 +119,7 @@ class Exchange:
                 except RuntimeError as e:
                     raise PeerFailedError(
                         f"exchange: local rank {self.rank} of {self.size} finished, but the node's other ranks did "
-                        f"not ({str(e).splitlines()[0]}); another rank failed (its own error says why)") from None
+                        f"not ({first_line(e)}); another rank failed (its own error says why)") from None
         finally:
             pg.shutdown() if done else pg.abort()
             self._store = None
