@@ -730,7 +730,7 @@ def test_agrees_with_safetensors(tmp_path, case):
         reject(tmp_path, blob, exc)
 
 
-#: Deliberate differences: safetensors accepts these, raylazy refuses them (README, "Choices made").
+#: Deliberate differences: safetensors accepts these, raylazy refuses them (docs/design.md, "Choices made").
 STRICTER_THAN_REFERENCE = {
     # safetensors keeps the last value of a repeated key.
     "duplicate-top-level": ('{"a":%s,"a":%s}' % (json.dumps(T2), json.dumps(T2)), DuplicateKeyError),
@@ -993,11 +993,16 @@ def test_every_error_sits_in_one_family(cls):
         assert families == [errors.CheckpointError]
 
 
-def test_every_family_is_in_the_readme():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Errors") :].split("\n## ")[0]
-    for cls in (*FAMILIES, PartialByteError, errors.RankFailedError):
-        assert f"`{cls.__name__}`" in section, cls.__name__
+def test_every_error_is_on_the_errors_page():
+    """docs/errors.md: its table's "catch" column is exactly the families, and the page names every error."""
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")).read()
+    table = page[: page.index("\n## ")]  # the families' table and what follows it, before the kinds of HeaderError
+    caught = {row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| `")}
+    assert caught == {f"`{f.__name__}`" for f in FAMILIES}
+    for cls in (PartialByteError, errors.RankFailedError):
+        assert f"`{cls.__name__}`" in table, cls.__name__
+    missing = [c.__name__ for c in _all_error_classes() if f"`{c.__name__}`" not in page]
+    assert not missing, f"error classes docs/errors.md does not name: {missing}"
 
 
 def test_raised_header_errors_pickle_round_trip(tmp_path):
