@@ -729,7 +729,8 @@ def _node_loss_load(cluster, model_dir: str, work: str, tp: int, timeout_s: floa
     err = out.get("error")
     if err is not None:
         report.update(error=type(err).__name__, message=str(err),
-                      failures=sorted(getattr(err, "failures", {}) or {}))
+                      failures=sorted(getattr(err, "failures", {}) or {}),
+                      causes={r: str(e) for r, e in (getattr(err, "failures", {}) or {}).items()})
     loaded = out.get("loaded")
     if loaded is not None:
         try:
@@ -811,6 +812,7 @@ def test_node_lost_mid_load_without_capacity_fails_within_the_timeout(node_loss)
     assert not r["hung"], r
     assert r.get("error") == "RankFailedError", r
     assert r["failures"] == r["moved"], r  # exactly the lost node's ranks are reported
-    assert r["message"].count("RESTARTING") == len(r["moved"]) and "no room" in r["message"], r["message"]
+    assert all("RESTARTING" in c and "no room" in c for c in r["causes"].values()), r["causes"]
+    assert "RESTARTING" in r["message"], r["message"]  # the ranks' identical causes, listed once
     assert r["after_removal_s"] < r["timeout_s"] + 30, r
     assert not r["leaks"], r
