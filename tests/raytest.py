@@ -14,7 +14,8 @@ import time
 
 import planlib
 from checkpoints import reference_tensors
-from planlib import as_bytes, reference_shard
+from expected import expected_rank, model_config
+from planlib import as_bytes
 
 import raylazy
 from raylazy.cluster.actor import RankLoader
@@ -49,23 +50,22 @@ def full_tensors(model_dir: str) -> dict:
 
 
 def check_rank(plan_rank, shards: dict, model_dir: str) -> None:
-    """Exactly the planned tensors, on the CPU, each equal bit for bit to its reference shard
-    (safetensors' full tensor, narrowed)."""
-    full = full_tensors(model_dir)
-    planned = [t.name for t in plan_rank.tensors]
-    assert sorted(shards) == sorted(planned), (
-        f"rank {plan_rank.rank}: missing {sorted(set(planned) - set(shards))}, extra {sorted(set(shards) - set(planned))}"
+    """Exactly the checkpoint's tensors, on the CPU, each equal bit for bit to the slice the rank's place gives it
+    (`expected.expected_rank`: safetensors' get_tensor, chunked as vLLM shards these models), for a tp-only mesh
+    with replicas: the tp rank is the rank's index within its replica (ranks are replica-major). The plan's
+    tensors and pieces are not consulted: a planner giving ranks the wrong slices fails here."""
+    mesh = plan_rank.mesh
+    assert mesh.pp == 1, "check_rank knows tp-only meshes; tests/test_stages.py checks pipeline stages"
+    want = expected_rank(full_tensors(model_dir), model_config(model_dir), plan_rank.rank % mesh.tp, mesh.tp)
+    assert sorted(shards) == sorted(want), (
+        f"rank {plan_rank.rank}: missing {sorted(set(want) - set(shards))}, extra {sorted(set(shards) - set(want))}"
     )
-    for t in plan_rank.tensors:
-        got, ref = shards[t.name], reference_shard(full[t.name], t)
-        assert got.device.type == "cpu", t.name
-        assert got.dtype == ref.dtype, (t.name, got.dtype, ref.dtype)
-        assert tuple(got.shape) == tuple(t.shape) == tuple(ref.shape), (t.name, got.shape, t.shape)
-        assert as_bytes(got) == as_bytes(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
-        if t.dim is not None and len(t.pieces) == 1:
-            src, dst, length = t.pieces[0]
-            if dst == 0 and length == t.shape[t.dim]:  # the shard is one slice of the full tensor
-                assert as_bytes(got) == as_bytes(full[t.name].narrow(t.dim, src, length)), t.name
+    for name, ref in want.items():
+        got = shards[name]
+        assert got.device.type == "cpu", name
+        assert got.dtype == ref.dtype, (name, got.dtype, ref.dtype)
+        assert tuple(got.shape) == tuple(ref.shape), (name, got.shape, ref.shape)
+        assert as_bytes(got) == as_bytes(ref), f"rank {plan_rank.rank}: {name} differs from its slice of the tensor"
 
 
 def check_ranks(plan, per_rank: list[dict], model_dir: str) -> None:
