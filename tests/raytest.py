@@ -1,7 +1,7 @@
 """What the Ray tests share: loading with a test rank actor, checking ranks bit for bit against
 safetensors, finding raylazy's live actors and placement groups, and waiting for them to go.
 
-Functions defined here and in planlib.py travel to the rank actors by value
+Functions defined here, in planlib.py and in measured.py travel to the rank actors by value
 (`loaded.run(where_am_i)`): the workers need not import these files.
 """
 
@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import measured
 import planlib
 from checkpoints import reference_tensors
 from expected import expected_rank, model_config
@@ -23,7 +24,7 @@ from raylazy.cluster.actor import RankLoader
 try:
     import ray.cloudpickle
 
-    for _module in (sys.modules[__name__], planlib):  # as_bytes runs in the actors too
+    for _module in (sys.modules[__name__], planlib, measured):  # as_bytes and SyscallLog run in the actors too
         ray.cloudpickle.register_pickle_by_value(_module)
 except Exception:  # noqa: BLE001  (Ray missing: the Ray tests skip)
     pass

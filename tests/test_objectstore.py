@@ -1,6 +1,7 @@
 """Object storage (`s3://`) against a real S3-compatible server: moto's server on 127.0.0.1, behind a proxy
-that counts each request and its bytes and fails requests on demand (tests/s3server.py). Shards are compared
-bit for bit with safetensors' own tensors, narrowed."""
+that counts each request and its bytes and fails requests on demand (benchmarks/s3server.py): the bytes and requests
+checked are the server's counts. Shards are compared bit for bit with the slice of safetensors' own tensors each
+rank's place gives it (`raytest.check_rank`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
 from checkpoints import shard_files  # noqa: E402
+from measured import header_bytes  # noqa: E402
 from raytest import check_loaded, check_rank  # noqa: E402
 
 import raylazy  # noqa: E402
@@ -48,11 +50,6 @@ def s3():
 @pytest.fixture(scope="module")
 def s3_llama(s3, llama_dir) -> str:
     return s3.upload_dir(llama_dir, BUCKET, "llama")
-
-
-def header_bytes(path: str) -> int:
-    with open(path, "rb") as f:
-        return 8 + int.from_bytes(f.read(8), "little")
 
 
 def test_plan_reads_headers_with_range_requests(s3, s3_llama, llama_dir):
