@@ -94,6 +94,22 @@ def digest(shards: dict) -> str:
     return h.hexdigest()
 
 
+def pointers(rank: int, shards: dict) -> dict:
+    """Run in a rank (`loaded.run`): each shard tensor's data_ptr. Compare two calls only while something holds the
+    first call's tensors (`Holder.hold`): the allocator may give freed memory's addresses to new tensors."""
+    return {name: t.data_ptr() for name, t in shards.items()}
+
+
+class Holder(RankLoader):
+    """A rank that keeps a consumer's reference to its tensors (as a model built on them would): `hold()`."""
+
+    def hold(self) -> None:
+        self.held = dict(self.shards())
+
+    def held_digest(self) -> str:
+        return digest(self.held)
+
+
 def where_am_i(rank: int, shards: dict) -> dict:
     """Run inside a rank actor (`loaded.run(where_am_i)`): who runs it and what it holds."""
     import ray
