@@ -14,20 +14,23 @@ from .plans import RankPlan, Read
 class CostModel:
     """A store reached by `concurrency` connections at once: each request waits `request_s` for its first byte,
     then streams at `connection_bps`; a range larger than `part_bytes` is fetched as parts, one request each; all
-    connections together move at most `bandwidth_bps` (0: `concurrency` x `connection_bps`)."""
+    connections together move at most `bandwidth_bps` (0: `concurrency` x `connection_bps`), and the store serves
+    at most `request_rate` requests a second (0: no limit; S3 documents 5,500 GETs a second per prefix)."""
 
     request_s: float
     connection_bps: float
     concurrency: int = 1
     part_bytes: int = 8 << 20
     bandwidth_bps: float = 0.0
+    request_rate: float = 0.0
 
     def seconds(self, requests: int, nbytes: int) -> float:
         """Estimated seconds for `requests` requests moving `nbytes` bytes in all: the connections' busy time
-        (each request's wait plus its bytes at connection speed) shared by `concurrency` connections, or the
-        bytes at `bandwidth_bps`, whichever is longer."""
+        (each request's wait plus its bytes at connection speed) shared by `concurrency` connections, the bytes
+        at `bandwidth_bps` or the requests at `request_rate`, whichever is longest."""
         busy = (requests * self.request_s + nbytes / self.connection_bps) / self.concurrency
-        return max(busy, nbytes / self.bandwidth_bps) if self.bandwidth_bps else busy
+        return max(busy, nbytes / self.bandwidth_bps if self.bandwidth_bps else 0.0,
+                   requests / self.request_rate if self.request_rate else 0.0)
 
     def ranges(self, nbytes: int) -> int:
         """Requests for one range of `nbytes` (its parts)."""

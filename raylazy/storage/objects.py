@@ -17,7 +17,8 @@ obstore's store config (`endpoint`, `access_key_id`, `region`, ...), its client 
 `backoff_base`, default 2), or raylazy's own: `part_bytes` (a range larger than this is fetched as parts,
 concurrently; default 8 MiB), `max_concurrency` (GETs in flight per process; default 32), and the cost model's
 `request_latency` (seconds to a response's first byte), `connection_bandwidth` (bytes per second one
-connection streams) and `bandwidth` (bytes per second of all connections together; default: not limited).
+connection streams), `bandwidth` (bytes per second of all connections together; default: not limited) and
+`request_rate` (GETs a second the store serves; default 5,500, S3's per prefix).
 
 Throughput: a remote store serves each connection at tens of MB/s after tens of ms to first byte, so a rank
 needs many requests in flight. A source's `concurrency` is `max_concurrency`: the ranged reader keeps that
@@ -66,6 +67,8 @@ HEAD_BYTES = 64 << 10
 #: The cost model's latency and per-connection bandwidth where neither is given nor measured (a cloud store).
 DEFAULT_REQUEST_S = 0.03
 DEFAULT_CONNECTION_BPS = 100e6
+#: GETs a second one prefix of a bucket is served (S3's documented rate; it throttles above it).
+DEFAULT_REQUEST_RATE = 5500.0
 #: GETs whose timing the cost model is measured on (the first ones: discovery's).
 _SAMPLES = 64
 #: Bytes per chunk of a streamed response (a part is copied into place chunk by chunk).
@@ -77,6 +80,7 @@ _CLIENT_KEYS = frozenset(
     "pool_max_idle_per_host proxy_url proxy_ca_certificate proxy_excludes root_certificate randomize_addresses "
     "read_timeout timeout user_agent".split()
 )
+_COST_KEYS = ("request_latency", "connection_bandwidth", "bandwidth", "request_rate")
 _BACKOFF_KEYS = {"init_backoff": "init_backoff", "max_backoff": "max_backoff", "backoff_base": "base"}
 
 
@@ -167,8 +171,7 @@ class ObjectStorage(Storage):
         try:
             self.part_bytes = int(options.pop("part_bytes", DEFAULT_PART_BYTES))
             self.max_concurrency = int(options.pop("max_concurrency", DEFAULT_CONCURRENCY))
-            self._given = {k: float(options.pop(k)) for k in ("request_latency", "connection_bandwidth", "bandwidth")
-                           if k in options}
+            self._given = {k: float(options.pop(k)) for k in _COST_KEYS if k in options}
             retry: dict[str, Any] = {}
             if "max_retries" in options:
                 retry["max_retries"] = int(options.pop("max_retries"))
@@ -179,10 +182,11 @@ class ObjectStorage(Storage):
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"{scheme}:// storage_options: {e} (part_bytes, max_concurrency, max_retries: "
                                      "integers; retry_timeout, init_backoff, max_backoff, request_latency: seconds; "
-                                     "connection_bandwidth, bandwidth: bytes per second)") from None
+                                     "connection_bandwidth, bandwidth: bytes per second; request_rate: GETs per "
+                                     "second)") from None
         if self.part_bytes < 1 or self.max_concurrency < 1 or any(v <= 0 for v in self._given.values()):
             raise ConfigurationError(f"{scheme}:// storage_options: part_bytes, max_concurrency, request_latency, "
-                                     "connection_bandwidth and bandwidth must be positive")
+                                     "connection_bandwidth, bandwidth and request_rate must be positive")
         if backoff:
             retry["backoff"] = backoff
         self._retry = retry or None
@@ -260,7 +264,8 @@ class ObjectStorage(Storage):
             or (statistics.median(s[0] for s in samples) if samples else DEFAULT_REQUEST_S),
             connection_bps=self._given.get("connection_bandwidth")
             or (sum(n for n, _ in bodies) / moved if moved > 0 else DEFAULT_CONNECTION_BPS),
-            concurrency=self.max_concurrency, part_bytes=self.part_bytes, bandwidth_bps=self._given.get("bandwidth", 0.0))
+            concurrency=self.max_concurrency, part_bytes=self.part_bytes, bandwidth_bps=self._given.get("bandwidth", 0.0),
+            request_rate=self._given.get("request_rate", DEFAULT_REQUEST_RATE))
 
     def _listing(self, uri: str) -> dict:
         store, key = self._locate(uri)
