@@ -167,7 +167,7 @@ class Bench:
             else:
                 code = (f"from raylazy.planning import make_plan; make_plan({self.uri!r}, {tp}, "
                         f"storage_options={self.options!r})")
-                subprocess.run([sys.executable, "-c", code], env=dict(self.env, PYTHONPATH=root), check=True)
+                subprocess.run([sys.executable, "-c", code], env=dict(self.env, PYTHONPATH=root), cwd=root, check=True)
             c = self.server.reset()
             self._row(dict(loader=label, mode="driver", tp=tp, rank="-", seconds=None, needed=0,
                            bytes=sum(r.body_bytes for r in c.requests), requests=len(c.requests),
@@ -222,11 +222,11 @@ class Bench:
         union = sum(f.size for f in plan.files)
         (res,) = _spawn([dict(loader="get", plan=path, rank=0, options=self.options, get_bytes=union)], self.env)
         store = S3Store(BUCKET, endpoint=self.options["endpoint"], allow_http=True, **self.server.credentials)
-        key, n = plan.files[0].uri.split(f"{BUCKET}/", 1)[1], 1000
+        key, n, span = plan.files[0].uri.split(f"{BUCKET}/", 1)[1], 1000, max(1, plan.files[0].size // 4096)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda i: obstore.get(store, key, options={"range": (i * 4096, i * 4096 + 4096)}).bytes(),
-                          range(n)))
+            list(pool.map(lambda i: obstore.get(store, key, options={"range": (i % span * 4096, i % span * 4096 + 4096)})
+                          .bytes(), range(n)))
         rate = n / (time.perf_counter() - t0)
         self.options = dict(self.options, bandwidth=union / res["seconds"], request_rate=rate)
         self.server.reset()

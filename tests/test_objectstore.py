@@ -279,3 +279,17 @@ class socket_closed_port:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+@pytest.mark.slow
+def test_the_s3_benchmark_runs(llama_dir, tmp_path):
+    """`python -m benchmarks.s3`'s harness on the tiny checkpoint (a rank alone; its own server): raylazy's and
+    Run:ai's shards are bit-identical (the run fails otherwise), the plain GET moves exactly the rank's bytes."""
+    from benchmarks import s3 as bench
+
+    rows = bench.run(llama_dir, [1], str(tmp_path), nodes=False, log=lambda line: None)
+    by = {r["loader"]: r for r in rows}
+    assert set(by) == {"plan", "raylazy", "runai", "get"}
+    assert by["plan"]["requests"] == len(shard_files(llama_dir)) + 3  # LIST, index, shards, config.json
+    assert by["get"]["bytes"] == by["get"]["needed"] == by["raylazy"]["needed"] == by["raylazy"]["bytes"]
+    assert by["raylazy"]["estimate"] > 0 and "| raylazy | rank | 1 | 0 |" in bench.table(rows)
