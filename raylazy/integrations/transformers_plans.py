@@ -95,8 +95,9 @@ def model_entries(model) -> list[list]:
     entries: dict[str, list] = {}
     for pattern, (name, tensor) in state.items():
         style = _get_parameter_plan(name, plan)
-        for disk, layout in [(pattern, "experts" if _is_experts(name, tensor) else "")] + _disk_names(model, name, tensor):
-            entries.setdefault(disk, [disk, style, layout, where.get(pattern)])
+        layout = "experts" if _is_experts(name, tensor) else ""
+        for disk, disk_layout in [(pattern, layout)] + _disk_names(model, name, tensor, layout):
+            entries.setdefault(disk, [disk, style, disk_layout, where.get(pattern)])
     for key, style in plan.items():
         if key in state or style not in _LINEAR:
             continue
@@ -115,10 +116,11 @@ def _is_experts(name: str, tensor) -> bool:
     return tensor.dim() == 3 and ".experts." in f".{name}"
 
 
-def _disk_names(model, name: str, tensor) -> list[tuple[str, str]]:
-    """[(disk pattern, layout)] of in-memory tensor `name` where its disk names differ (none where they do not),
-    from transformers' reverse conversion of that tensor alone. A disk tensor transformers splits into several
-    in-memory ones is `joined`: the reverse of each of them names it."""
+def _disk_names(model, name: str, tensor, layout: str) -> list[tuple[str, str]]:
+    """[(disk pattern, layout)] of in-memory tensor `name` (lying as `layout` says) where its disk names differ
+    (none where they do not), from transformers' reverse conversion of that tensor alone: a renamed one lies as it
+    does in memory, one expert's tensor is `expert`, a part of several `... i/k`; a disk tensor transformers
+    splits into several in-memory ones is `joined`."""
     from transformers.core_model_loading import revert_weight_conversion
 
     patterns = list(dict.fromkeys(generic(n) for n in revert_weight_conversion(model, {name: tensor})))
@@ -126,7 +128,7 @@ def _disk_names(model, name: str, tensor) -> list[tuple[str, str]]:
         return []
     if len(patterns) == 1 and _joins(model, patterns[0]):
         return [(patterns[0], "joined")]
-    return [(p, _layout(p, i, len(patterns))) for i, p in enumerate(patterns)]
+    return [(p, _layout(p, i, len(patterns), layout)) for i, p in enumerate(patterns)]
 
 
 def _joins(model, pattern: str) -> bool:
@@ -139,10 +141,10 @@ def _joins(model, pattern: str) -> bool:
                for c in get_model_conversion_mapping(model, add_legacy=False))
 
 
-def _layout(pattern: str, part: int, parts: int) -> str:
+def _layout(pattern: str, part: int, parts: int, layout: str) -> str:
     expert = ".experts.*." in f".{pattern}"
     if parts == 1:
-        return "expert" if expert else ""
+        return "expert" if expert else layout
     return f"{'expert' if expert else 'part'} {part}/{parts}"
 
 
