@@ -97,15 +97,17 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("arch", _selected(metafunc.config))
 
 
-def write_checkpoint(arch: str, root: str) -> str:
-    """`arch` written by transformers' save_pretrained in shards, every parameter drawn at random (seeded)."""
+def write_checkpoint(arch: str, root: str, sizes: dict | None = None) -> str:
+    """`arch` written by transformers' save_pretrained in shards, every parameter drawn at random (seeded); `sizes`
+    replace SMALL's."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model_type, extra = ARCHS[arch]
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SMALL, **extra}), dtype=torch.bfloat16)
+    config = AutoConfig.for_model(model_type, **{**SMALL, **(sizes or {}), **extra})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(sorted(ARCHS).index(arch))
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
