@@ -222,3 +222,23 @@ def test_matching_gives_the_first_matching_rule(names):
         for name in names:
             expected = next((i for i, rule in enumerate(subset) if rule.matches(name)), None)
             assert first(name) == expected, (name, [x.pattern for x in subset])
+
+
+def test_the_docs_table_lists_every_model_type_planned():
+    """docs/rules.md's table: every model type raylazy plans, where its rules come from, and its oracles."""
+    import re
+
+    import test_declared_vllm
+
+    from raylazy.core.declared import declared_types
+    from raylazy.core.rules import PRESETS
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "rules.md"), encoding="utf-8") as f:
+        rows = {t: (source, oracles) for t, source, oracles in
+                re.findall(r"^\| `([\w-]+)` \| (declared|preset|both) \| (.*) \|$", f.read(), flags=re.M)}
+    assert set(rows) == planned_types()
+    tested = {model_type for model_type, _ in ARCHS.values()}
+    for t, (source, oracles) in rows.items():
+        assert source == ("both" if t in PRESETS and t in declared_types() else "preset" if t in PRESETS else "declared"), t
+        assert ("transformers TP" in oracles) == (t in tested), t
+        assert ("vLLM" in oracles) == (t in test_declared_vllm.ARCHS), t
