@@ -41,8 +41,9 @@ LEFT_OUT = {
     "gptj": "vLLM's transformers (< 5.20) refuses the config transformers 5.24 writes (partial_rotary_factor)",
     "internlm3": "vLLM's transformers (< 5.20) does not know the model type",
 }
-#: The tensors whose regions the recording cannot follow yet (vLLM's fused-MoE loader reads them whole).
-OPAQUE = {"mixtral": ("w1", "w2", "w3"), "qwen2_moe": ("experts",)}
+#: The tensors whose regions the recording cannot follow: MoE experts (vLLM's fused-MoE loader reads them in ways
+#: it does not follow yet: it reads them whole), Apertus's activation scalars (`.item()`).
+OPAQUE = {"mixtral": ("w1", "w2", "w3"), "qwen2_moe": ("experts",), "apertus": ("act_fn",)}
 
 
 def _selected(config) -> tuple[str, ...]:
