@@ -55,11 +55,18 @@ RulesLike = Sequence[Rule | tuple] | Mapping[str, Placement]
 COLUMN, ROW = Split(0), Split(-1)
 
 # Presets hold only what transformers' declared plan of a model type does not say (raylazy.core.declared has the rest).
+# Their patterns name a layer's weight and bias, never `layer.*`: a quantized checkpoint's companions of a weight
+# (`weight_scale_inv`, ...) are sharded at their own granularity, not as the weight.
+
+
+def _weight_and_bias(layer: str, placement: Placement) -> tuple[Rule, Rule]:
+    return Rule(f"{layer}.weight", placement), Rule(f"{layer}.bias", placement)
+
 
 #: Llama-family checkpoints converted from other layouts hold fused q|k|v and gate|up projections, and older
 #: exports a stale rotary buffer: none of them is a parameter of transformers' model.
 _LLAMA = (
-    Rule("*.self_attn.qkv_proj.*", Fused((Heads("q"), Heads("kv"), Heads("kv")))),
+    *_weight_and_bias("*.self_attn.qkv_proj", Fused((Heads("q"), Heads("kv"), Heads("kv")))),
     Rule("*.mlp.gate_up_proj.weight", Fused((COLUMN, COLUMN))),
     Rule("*.rotary_emb.inv_freq", Skip()),
 )
@@ -85,9 +92,9 @@ _DEEPSEEK_V3 = (
 #: experts lie [E, H, 2I] with gate and up interleaved along 2I, so a contiguous split takes whole (gate, up)
 #: pairs (as vLLM splits them); down_proj [E, I, H] splits I; its bias is added once, after the reduce.
 _GPT_OSS = (
-    Rule("*.self_attn.q_proj.*", Heads("q")),
-    Rule("*.self_attn.k_proj.*", Heads("kv")),
-    Rule("*.self_attn.v_proj.*", Heads("kv")),
+    *_weight_and_bias("*.self_attn.q_proj", Heads("q")),
+    *_weight_and_bias("*.self_attn.k_proj", Heads("kv")),
+    *_weight_and_bias("*.self_attn.v_proj", Heads("kv")),
     Rule("*.self_attn.o_proj.weight", ROW),
     Rule("*.self_attn.sinks", Heads("q")),
     Rule("*.mlp.experts.gate_up_proj", Expert(ROW, dim=0)),
