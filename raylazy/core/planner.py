@@ -51,7 +51,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, cost: Co
     mesh = opts.mesh
     cfg = ckpt.config
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
-    chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
+    chosen = match(all_rules, (t.name for _, t in ckpt.tensors()), cfg.model_type)
     coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
     rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     stages = _stages(ckpt, opts, all_rules, [n for n, rule in chosen.items() if rule.placement.loaded])
