@@ -8,6 +8,7 @@ from math import prod
 
 from ..errors import PartialByteSliceError, ShardingError, StageError
 from .checkpoint import Checkpoint
+from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .header import TensorInfo
 from .mesh import Mesh
@@ -33,22 +34,24 @@ def gc_paused():
 
 
 def plan_checkpoint(ckpt: Checkpoint, opts: PlanOptions, rules: RulesLike | None = None,
-                    default_max_gap: int = 0) -> Plan:
+                    cost: CostModel | None = None) -> Plan:
     """Plan which bytes of which file every rank of `opts.mesh` reads, from headers already read (`ckpt`).
 
     With pipeline stages, each stage's ranks get only its tensors (`raylazy.core.stages`: vLLM's layer split,
     or `opts.pp_layers` per stage); with `opts.expert_parallel`, routed experts go whole to the tp ranks of
-    their stage. `opts.max_gap` None: `default_max_gap` (the storage's: 0 for local files)."""
+    their stage. `opts.max_gap` None: each row-split read is gathered where the storage's `cost` model estimates
+    it sooner (the plan's max_gap is then None), or never without one (local files: max_gap 0)."""
+    if opts.max_gap is not None or cost is None:
+        opts, cost = opts.model_copy(update={"max_gap": opts.max_gap or 0}), None
     with gc_paused():
-        return _plan(ckpt, rules, opts if opts.max_gap is not None else
-                     opts.model_copy(update={"max_gap": default_max_gap}))
+        return _plan(ckpt, rules, opts, cost)
 
 
-def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
+def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, cost: CostModel | None) -> Plan:
     mesh = opts.mesh
     cfg = ckpt.config
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
-    chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
+    chosen = match(all_rules, (t.name for _, t in ckpt.tensors()), cfg.model_type)
     coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
     rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     stages = _stages(ckpt, opts, all_rules, [n for n, rule in chosen.items() if rule.placement.loaded])
@@ -74,10 +77,11 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
                 for r in (rank_of[s][k] for k in (range(mesh.tp) if holders is None else holders)):
                     slicing = placement.slicing(t.shape, context(r, t.name))
                     if slicing is None:
-                        whole = whole or tensor_shard(fi, t, label, None, opts.max_gap)
+                        whole = whole or tensor_shard(fi, t, label, None, 0)
                         per_rank[r].append(whole)
                     else:
-                        per_rank[r].append(tensor_shard(fi, t, label, slicing, opts.max_gap, ckpt.files[fi].path))
+                        per_rank[r].append(tensor_shard(fi, t, label, slicing, opts.max_gap or 0, ckpt.files[fi].path,
+                                                        cost))
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({label}, rule {rule.pattern!r}): {e}") from None
@@ -121,9 +125,11 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names:
     return tensor_stages(names, partition(layers, opts.mesh.pp, opts.pp_layers), lambda n: stage_of(rules, n), tied)
 
 
-def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
+def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "",
+                 cost: CostModel | None = None) -> TensorShard:
     """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, with the
-    byte ranges to read (row gaps of at most `max_gap` bytes read through; `path` names the file in errors)."""
+    byte ranges to read (row gaps read through where `cost` estimates that sooner, else where at most `max_gap`
+    bytes; `path` names the file in errors)."""
     if slicing is None:
         read = Read(file=fi, offset=t.start, length=t.nbytes, dst_offset=0)
         return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=t.shape, shape=t.shape, placement=placement,
@@ -147,8 +153,9 @@ def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None
                               dst_offset=offs[3] // 8))
             continue
         src, length, stride, dst, dst_stride = (b // 8 for b in offs)
+        gather = cost.gather(length, stride, outer) if cost is not None else stride - length <= max_gap
         reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
-                          stride=stride, dst_stride=dst_stride, gather=stride - length <= max_gap))
+                          stride=stride, dst_stride=dst_stride, gather=gather))
     out_shape = shape[:d] + (slicing.length,) + shape[d + 1 :]
     return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
                        pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces), reads=tuple(reads))
