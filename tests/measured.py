@@ -16,9 +16,7 @@ from __future__ import annotations
 import os
 import re
 
-from benchmarks.loaders.diskstats import Device
-from benchmarks.loaders.pagecache import PAGE, evict
-
+PAGE = os.sysconf("SC_PAGE_SIZE")
 _IO_LINE = re.compile(rb"^(\w+): (\d+)$", re.M)
 
 
@@ -114,6 +112,9 @@ def needed_pages(plan, ranks) -> set[tuple[str, int]]:
 
 def cold(paths: list[str]) -> str | None:
     """Evict `paths` from the page cache: None when none of their pages is left, else why it could not be done."""
+    from benchmarks.loaders.diskstats import Device
+    from benchmarks.loaders.pagecache import evict
+
     device = Device(paths)
     if device.name is None:
         return f"cannot start from a cold cache: {device.missing}"

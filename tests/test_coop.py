@@ -18,6 +18,7 @@ from collections import Counter
 import pytest
 import torch
 from measured import (
+    PAGE,
     SyscallLog,
     assert_header_checks_only,
     cold,
@@ -127,8 +128,7 @@ def check_node_reads(plan, node, results: dict, readers: int, was_cold: bool) ->
     if was_cold:
         pulled = sum(s["io"]["read_bytes"] for s in seen)
         files = {plan.files[st.file].uri for st in node.stripes}
-        page = 4096
-        assert len(union) * page * 0.98 <= pulled <= sum(-(-os.path.getsize(f) // page) * page for f in files), (
+        assert len(union) * PAGE * 0.98 <= pulled <= sum(-(-os.path.getsize(f) // PAGE) * PAGE for f in files), (
             f"node {node.node} pulled {pulled} bytes from storage for a union of {len(union)} pages")
 
 
