@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import DuplicateTensorError, IndexFileError, MissingTensorError, ModelConfigError, UnsafePathError
 from .header import FileHeader, TensorInfo
+from .quantization import Format, parse_quantization
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -38,13 +39,18 @@ class ModelConfig:
     num_experts: int | None = None
     #: Whether the head reuses the input embeddings (None: config.json does not say).
     tie_word_embeddings: bool | None = None
+    #: Multi-token-prediction layers after the last decoder layer (DeepSeek-V3's layer 61; 0: none).
+    num_nextn_predict_layers: int = 0
+    #: The format of `quantization_config` (None: not quantized), `raylazy.core.quantization`.
+    quantization: Format | None = None
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         if isinstance(raw.get("text_config"), dict):  # multimodal wrappers keep the LM config here
-            raw = {**raw["text_config"], "model_type": raw.get("model_type")}
+            raw = {"quantization_config": raw.get("quantization_config"), **raw["text_config"],
+                   "model_type": raw.get("model_type")}
         values = {"model_type": raw.get("model_type")}
         if values["model_type"] is not None and not isinstance(values["model_type"], str):
             raise ModelConfigError(f"{source}: model_type must be a string, got {values['model_type']!r}")
@@ -53,6 +59,11 @@ class ModelConfig:
         if tied is not None and type(tied) is not bool:
             raise ModelConfigError(f"{source}: tie_word_embeddings must be true or false, got {tied!r}")
         values["tie_word_embeddings"] = tied
+        mtp = raw.get("num_nextn_predict_layers") or 0
+        if type(mtp) is not int or mtp < 0:
+            raise ModelConfigError(f"{source}: num_nextn_predict_layers must be a non-negative integer, got {mtp!r}")
+        values["num_nextn_predict_layers"] = mtp
+        values["quantization"] = parse_quantization(raw.get("quantization_config"), source)
         for f in fields(cls):
             if f.name in values:
                 continue

@@ -5,17 +5,35 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from math import prod
+from typing import NamedTuple
 
-from ..errors import PartialByteSliceError, ShardingError, StageError
+from ..errors import (
+    PartialByteSliceError,
+    QuantizedLayoutError,
+    ShardingError,
+    StageError,
+    UnsupportedQuantizationError,
+)
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_BITS
 from .header import TensorInfo
 from .mesh import Mesh
 from .options import PlanOptions
-from .placements import ShardContext, Slicing
+from .placements import Placement, ShardContext, Slicing
 from .plans import FileRef, Plan, RankPlan, Read, TensorShard
+from .quantization import Following
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
-from .stages import partition, tensor_stages
+from .stages import layer_index, partition, tensor_stages
+
+
+class Placed(NamedTuple):
+    """How one tensor is placed: its placement and the label plans show, the pattern of the rule that chose it,
+    and the name that rule matched (a companion's weight; else the tensor's own)."""
+
+    placement: Placement
+    label: str
+    pattern: str
+    weight: str
 
 
 @contextmanager
@@ -48,11 +66,10 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
     mesh = opts.mesh
     cfg = ckpt.config
     all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
-    chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
+    placed, skipped = _placements(ckpt, all_rules, opts)
     coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
     rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
-    stages = _stages(ckpt, opts, all_rules, [n for n, rule in chosen.items() if rule.placement.loaded])
-    labels = {id(r): r.placement.describe() for r in all_rules}
+    stages = _stages(ckpt, opts, all_rules, placed)
 
     def context(rank: int, name: str) -> ShardContext:
         c = coords[rank]
@@ -60,13 +77,10 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
                             opts.expert_parallel, cfg.num_experts)
 
     per_rank: list[list[TensorShard]] = [[] for _ in coords]
-    skipped = []
     for fi, t in ckpt.tensors():
-        rule = chosen[t.name]
-        placement, label = rule.placement, labels[id(rule)]
-        if not placement.loaded:
-            skipped.append(t.name)
+        if t.name not in placed:
             continue
+        placement, label, pattern, _ = placed[t.name]
         whole = None  # one shard object shared by every rank that gets the whole tensor
         try:
             for s in stages.get(t.name, (0,)):
@@ -80,7 +94,7 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
                         per_rank[r].append(tensor_shard(fi, t, label, slicing, opts.max_gap, ckpt.files[fi].path))
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
-                          f"({label}, rule {rule.pattern!r}): {e}") from None
+                          f"({label}, rule {pattern!r}): {e}") from None
     files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
@@ -96,6 +110,49 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
     return with_replicas(plan, mesh.dp)
 
 
+def _placements(ckpt: Checkpoint, rules: tuple[Rule, ...],
+                opts: PlanOptions) -> tuple[dict[str, Placed], list[str]]:
+    """Every loaded tensor's placement, and the names of those not loaded (in file order).
+
+    A plain tensor gets its rule's placement; a quantized layer's companion (`raylazy.core.quantization`) gets
+    its weight's rule, followed at the companion's granularity. Multi-token-prediction layers (config.json's
+    num_nextn_predict_layers past the last layer) are not loaded unless `opts.keep_mtp`, as vLLM's main model
+    skips them."""
+    cfg = ckpt.config
+    try:
+        layout = cfg.quantization.companions({t.name: t for _, t in ckpt.tensors()}) if cfg.quantization else {}
+    except (QuantizedLayoutError, UnsupportedQuantizationError) as e:
+        raise type(e)(f"{ckpt.root}: {e}") from None
+    drop = _mtp_names(ckpt) if not opts.keep_mtp else set()
+    names = [t.name for _, t in ckpt.tensors() if t.name not in drop]
+    chosen = match(rules, dict.fromkeys(layout[n].weight if n in layout else n for n in names))
+    labels: dict[tuple[int, int], tuple[Placement, str]] = {}
+    placed, skipped = {}, set(drop)
+    for name in names:
+        c = layout.get(name)
+        rule = chosen[c.weight if c else name]
+        if not rule.placement.loaded:
+            skipped.add(name)
+            continue
+        key = (id(rule), id(c.layout) if c else 0)
+        if key not in labels:
+            p = Following(rule.placement, c.layout) if c else rule.placement
+            labels[key] = (p, p.describe())
+        placed[name] = Placed(*labels[key], rule.pattern, c.weight if c else name)
+    return placed, [t.name for _, t in ckpt.tensors() if t.name in skipped]
+
+
+def _mtp_names(ckpt: Checkpoint) -> set[str]:
+    """The tensors of the multi-token-prediction layers: layers [L, L + num_nextn_predict_layers) of a model of L."""
+    cfg = ckpt.config
+    if not cfg.num_nextn_predict_layers or cfg.num_hidden_layers is None:
+        return set()
+    first = cfg.num_hidden_layers
+    mtp = range(first, first + cfg.num_nextn_predict_layers)
+    marks = tuple(f"layers.{i}." for i in mtp)
+    return {t.name for _, t in ckpt.tensors() if any(m in t.name for m in marks) and layer_index(t.name) in mtp}
+
+
 def with_replicas(plan: Plan, dp: int) -> Plan:
     """`plan` for `dp` replicas: replica r's rank plans are replica 0's (the plan's first ranks), with replica r's
     global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.cluster.replicas`)."""
@@ -106,8 +163,10 @@ def with_replicas(plan: Plan, dp: int) -> Plan:
     return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
 
 
-def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names: list[str]) -> dict[str, tuple[int, ...]]:
-    """The pipeline stages of each loaded tensor (empty with one stage: everything is on stage 0)."""
+def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...],
+            placed: dict[str, Placed]) -> dict[str, tuple[int, ...]]:
+    """The pipeline stages of each loaded tensor (empty with one stage: everything is on stage 0). A companion
+    without a layer index (a quantized head's scale) goes where a stage rule puts its weight."""
     if opts.mesh.pp == 1:
         return {}
     cfg = ckpt.config
@@ -118,7 +177,9 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names:
     tied = cfg.tie_word_embeddings
     if tied is None:  # config.json does not say: tied when there is no head of its own
         tied = not any(t.name == "lm_head.weight" for _, t in ckpt.tensors())
-    return tensor_stages(names, partition(layers, opts.mesh.pp, opts.pp_layers), lambda n: stage_of(rules, n), tied)
+    return tensor_stages(placed, partition(layers, opts.mesh.pp, opts.pp_layers),
+                         lambda n: stage_of(rules, placed[n].weight), tied,
+                         cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
 
 
 def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:

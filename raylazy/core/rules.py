@@ -103,7 +103,8 @@ _QWEN_MOE = _ROUTED + (
 
 #: DeepSeek-V2/V3 multi-head latent attention: the low-rank down-projections are replicated, the up-projections
 #: split by whole heads (q_b_proj: heads x qk_head_dim rows, kv_b_proj: heads x (qk_nope + v) rows), o_proj
-#: row-parallel; the router's score correction bias is replicated.
+#: row-parallel; the router's score correction bias is replicated. The released checkpoints' FP8 block scales
+#: (`weight_scale_inv`) need no rules: they follow their weights (`raylazy.core.quantization`).
 _DEEPSEEK = _ROUTED + (
     Rule("*.self_attn.q_a_proj.weight", Replicated()),
     Rule("*.self_attn.kv_a_proj_with_mqa.weight", Replicated()),
@@ -113,6 +114,11 @@ _DEEPSEEK = _ROUTED + (
     Rule("*.mlp.shared_experts.up_proj.weight", COLUMN),
     Rule("*.mlp.shared_experts.down_proj.weight", ROW),
     Rule("*.mlp.gate.e_score_correction_bias", Replicated()),
+    # The multi-token-prediction layer (DeepSeek-V3's layer 61, loaded with keep_mtp=True), as vLLM's DeepSeekMTP
+    # holds it: eh_proj a plain nn.Linear (whole), its embeddings and head vocab-parallel, enorm/hnorm norms.
+    Rule("*.eh_proj.weight", Replicated()),
+    Rule("*.shared_head.head.weight", COLUMN),
+    Rule("model.layers.*.embed_tokens.weight", COLUMN),
 ) + _FUSED_EXPERTS + _LLAMA
 
 #: Rules of the on-disk tensor names of each supported `model_type`.
