@@ -105,16 +105,14 @@ def parse_index(data: bytes, index: str) -> dict[str, str]:
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8
         raise IndexFileError(f"{index}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or set(map(type, weight_map)) - {str} or set(map(type, weight_map.values())) - {str}:
         raise IndexFileError(f"{index}: 'weight_map' must be an object mapping tensor names to file names")
-    for tensor, name in weight_map.items():
-        if not _is_plain_name(name):
-            raise UnsafePathError(
-                f"{index}: tensor {tensor!r} maps to {name!r}, which is not a plain file name in the model "
-                "directory (no directories, no '..', no absolute paths)"
-            )
+    if not all(map(_is_plain_name, set(weight_map.values()))):  # each file name once: an index names ~10^5 tensors
+        tensor, name = next((t, n) for t, n in weight_map.items() if not _is_plain_name(n))
+        raise UnsafePathError(
+            f"{index}: tensor {tensor!r} maps to {name!r}, which is not a plain file name in the model "
+            "directory (no directories, no '..', no absolute paths)"
+        )
     return weight_map
 
 
@@ -141,13 +139,17 @@ def cross_check(root: str, index: str, names: list[str], headers: tuple[FileHead
                 weight_map: dict | None) -> None:
     """DuplicateTensorError for a tensor in two files of `root`; MissingTensorError for an entry of index file
     `index` naming a file that does not hold the tensor."""
-    owner: dict[str, str] = {}
-    for name, header in zip(names, headers):
-        for t in header.tensors:
-            if t.name in owner:
-                raise DuplicateTensorError(f"{root}: tensor {t.name!r} appears in both {owner[t.name]} and {name}")
-            owner[t.name] = name
-    for tensor, name in (weight_map or {}).items():
+    owner = {t.name: name for name, header in zip(names, headers) for t in header.tensors}
+    if len(owner) != sum(len(h.tensors) for h in headers):  # a tensor in two files: name the first
+        seen: dict[str, str] = {}
+        for name, header in zip(names, headers):
+            for t in header.tensors:
+                if t.name in seen:
+                    raise DuplicateTensorError(f"{root}: tensor {t.name!r} appears in both {seen[t.name]} and {name}")
+                seen[t.name] = name
+    if not weight_map or weight_map.items() <= owner.items():
+        return
+    for tensor, name in weight_map.items():
         if owner.get(tensor) != name:
             raise MissingTensorError(
                 f"{index}: the index maps {tensor!r} to {name}, but "
