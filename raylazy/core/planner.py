@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 from contextlib import contextmanager
 from math import prod
 from typing import NamedTuple
@@ -64,41 +65,14 @@ def plan_checkpoint(ckpt: Checkpoint, opts: PlanOptions, rules: RulesLike | None
 
 def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
     mesh = opts.mesh
-    cfg = ckpt.config
-    all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
-    placed, skipped = _placements(ckpt, all_rules, opts)
-    coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
-    rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
-    stages = _stages(ckpt, opts, all_rules, placed)
-
-    def context(rank: int, name: str) -> ShardContext:
-        c = coords[rank]
-        return ShardContext(c["tp"], mesh.tp, cfg.num_attention_heads, cfg.num_key_value_heads, opts.uneven, name, c,
-                            opts.expert_parallel, cfg.num_experts)
-
-    per_rank: list[list[TensorShard]] = [[] for _ in coords]
-    for fi, t in ckpt.tensors():
-        if t.name not in placed:
-            continue
-        placement, label, pattern, _ = placed[t.name]
-        whole = None  # one shard object shared by every rank that gets the whole tensor
-        try:
-            for s in stages.get(t.name, (0,)):
-                holders = placement.holders(t.shape, context(rank_of[s][0], t.name))
-                for r in (rank_of[s][k] for k in (range(mesh.tp) if holders is None else holders)):
-                    slicing = placement.slicing(t.shape, context(r, t.name))
-                    if slicing is None:
-                        whole = whole or tensor_shard(fi, t, label, None, opts.max_gap)
-                        per_rank[r].append(whole)
-                    else:
-                        per_rank[r].append(tensor_shard(fi, t, label, slicing, opts.max_gap, ckpt.files[fi].path))
-        except ShardingError as e:
-            raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
-                          f"({label}, rule {pattern!r}): {e}") from None
+    all_rules = resolve_rules(ckpt.config.model_type, rules, opts.preset)
+    tensors = list(ckpt.tensors())
+    placed, skipped = _placements(ckpt, tensors, all_rules, opts)
+    per_rank = _shards(ckpt, tensors, placed, _stages(ckpt, opts, all_rules, placed), opts)
     files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
-        model_type=cfg.model_type,
+        model_type=ckpt.config.model_type,
         mesh=mesh,
         max_gap=opts.max_gap,
         uneven=opts.uneven,
@@ -110,7 +84,42 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
     return with_replicas(plan, mesh.dp)
 
 
-def _placements(ckpt: Checkpoint, rules: tuple[Rule, ...],
+def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dict[str, Placed],
+            stages: dict[str, tuple[int, ...]], opts: PlanOptions) -> list[list[TensorShard]]:
+    """Every rank's shards (of one replica: the others are copies), in file order. The tp ranks of a stage that
+    hold a tensor are asked of its placement once (`holders`), then each is sliced."""
+    mesh, cfg = opts.mesh, ckpt.config
+    coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]
+    rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
+    tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap
+    heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+    every = tuple(range(tp))
+    per_rank: list[list[TensorShard]] = [[] for _ in coords]
+    for fi, t in tensors:
+        p = placed.get(t.name)
+        if p is None:
+            continue
+        placement, name, whole = p.placement, t.name, None  # one shard object for every rank that gets it whole
+        try:
+            for s in stages.get(name, (0,)):
+                ranks = rank_of[s]
+                c = coords[ranks[0]]
+                holders = placement.holders(t.shape, ShardContext(0, tp, heads, kv, uneven, name, c, ep, experts))
+                for k in every if holders is None else holders:
+                    ctx = ShardContext(k, tp, heads, kv, uneven, name, coords[ranks[k]], ep, experts)
+                    slicing = placement.slicing(t.shape, ctx)
+                    if slicing is None:
+                        whole = whole or tensor_shard(fi, t, p.label, None, max_gap)
+                        per_rank[ranks[k]].append(whole)
+                    else:
+                        per_rank[ranks[k]].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path))
+        except ShardingError as e:
+            raise type(e)(f"{ckpt.files[fi].path}: tensor {name!r} {list(t.shape)} "
+                          f"({p.label}, rule {p.pattern!r}): {e}") from None
+    return per_rank
+
+
+def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: tuple[Rule, ...],
                 opts: PlanOptions) -> tuple[dict[str, Placed], list[str]]:
     """Every loaded tensor's placement, and the names of those not loaded (in file order).
 
@@ -119,38 +128,37 @@ def _placements(ckpt: Checkpoint, rules: tuple[Rule, ...],
     num_nextn_predict_layers past the last layer) are not loaded unless `opts.keep_mtp`, as vLLM's main model
     skips them."""
     cfg = ckpt.config
+    by_name = {t.name: t for _, t in tensors}
     try:
-        layout = cfg.quantization.companions({t.name: t for _, t in ckpt.tensors()}) if cfg.quantization else {}
+        layout = cfg.quantization.companions(by_name) if cfg.quantization else {}
     except (QuantizedLayoutError, UnsupportedQuantizationError) as e:
         raise type(e)(f"{ckpt.root}: {e}") from None
-    drop = _mtp_names(ckpt) if not opts.keep_mtp else set()
-    names = [t.name for _, t in ckpt.tensors() if t.name not in drop]
-    chosen = match(rules, dict.fromkeys(layout[n].weight if n in layout else n for n in names))
+    drop = set() if opts.keep_mtp else _mtp_names(cfg, by_name)
+    kept = [n for n in by_name if n not in drop] if drop else list(by_name)
+    chosen = match(rules, dict.fromkeys([layout[n].weight if n in layout else n for n in kept] if layout else kept))
     labels: dict[tuple[int, int], tuple[Placement, str]] = {}
     placed, skipped = {}, set(drop)
-    for name in names:
+    for name in kept:
         c = layout.get(name)
         rule = chosen[c.weight if c else name]
-        if not rule.placement.loaded:
-            skipped.add(name)
-            continue
         key = (id(rule), id(c.layout) if c else 0)
         if key not in labels:
-            p = Following(rule.placement, c.layout) if c else rule.placement
+            p = Following(rule.placement, c.layout) if c and rule.placement.loaded else rule.placement
             labels[key] = (p, p.describe())
-        placed[name] = Placed(*labels[key], rule.pattern, c.weight if c else name)
-    return placed, [t.name for _, t in ckpt.tensors() if t.name in skipped]
+        if rule.placement.loaded:
+            placed[name] = Placed(*labels[key], rule.pattern, c.weight if c else name)
+        else:
+            skipped.add(name)
+    return placed, [n for n in by_name if n in skipped] if skipped else []
 
 
-def _mtp_names(ckpt: Checkpoint) -> set[str]:
+def _mtp_names(cfg, tensors) -> set[str]:
     """The tensors of the multi-token-prediction layers: layers [L, L + num_nextn_predict_layers) of a model of L."""
-    cfg = ckpt.config
     if not cfg.num_nextn_predict_layers or cfg.num_hidden_layers is None:
         return set()
-    first = cfg.num_hidden_layers
-    mtp = range(first, first + cfg.num_nextn_predict_layers)
-    marks = tuple(f"layers.{i}." for i in mtp)
-    return {t.name for _, t in ckpt.tensors() if any(m in t.name for m in marks) and layer_index(t.name) in mtp}
+    mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    mark = re.compile("|".join(rf"layers\.{i}\." for i in mtp)).search
+    return {n for n in tensors if mark(n) and layer_index(n) in mtp}
 
 
 def with_replicas(plan: Plan, dp: int) -> Plan:
@@ -186,9 +194,8 @@ def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None
     """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, with the
     byte ranges to read (row gaps of at most `max_gap` bytes read through; `path` names the file in errors)."""
     if slicing is None:
-        read = Read(file=fi, offset=t.start, length=t.nbytes, dst_offset=0)
-        return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=t.shape, shape=t.shape, placement=placement,
-                           dim=None, pieces=(), reads=(read,) if t.nbytes else ())
+        return TensorShard(t.name, fi, t.start, t.dtype, t.shape, t.shape, placement, None, (),
+                           (Read(fi, t.start, t.end - t.start, 0),) if t.end > t.start else ())
     d, shape = slicing.dim, t.shape
     bits = DTYPE_BITS[t.dtype]
     outer, inner_bits = prod(shape[:d]), prod(shape[d + 1 :]) * bits

@@ -114,14 +114,18 @@ def grid(shape: tuple[int, ...], weight: tuple[int, ...], spec: Spec, role: str)
     return Layout(weight, tuple(s if isinstance(s, Axis) else None for s in spec), role)
 
 
+def first_fit(shape: tuple[int, ...], wshape: tuple[int, ...], specs: Sequence[tuple[Spec, str]]) -> Layout | None:
+    """The layout of the first of `specs` ((spec, role) pairs) that a companion of `shape` fits, if any."""
+    return next((layout for spec, role in specs if (layout := grid(shape, wshape, spec, role)) is not None), None)
+
+
 def fit(name: str, t: TensorInfo, weight: str, wshape: tuple[int, ...], specs: Sequence[tuple[Spec, str]],
         what: str) -> Companion:
     """The companion `t` (tensor `name`) of weight `weight` of shape `wshape`: the first of `specs` ((spec, role)
     pairs) its shape fits; none: a QuantizedLayoutError saying what was expected (`what`: the format)."""
-    for spec, role in specs:
-        layout = grid(t.shape, wshape, spec, role)
-        if layout is not None:
-            return Companion(weight, layout)
+    layout = first_fit(t.shape, wshape, specs)
+    if layout is not None:
+        return Companion(weight, layout)
     expected = "; ".join(f"{role} {_expected(spec, wshape)}" for spec, role in specs)
     raise QuantizedLayoutError(f"tensor {name!r} {list(t.shape)} does not lie as a {what} companion of {weight!r} "
                                f"{list(wshape)} can: expected {expected} (check quantization_config's block and "

@@ -10,14 +10,15 @@ the kv-cache `k_scale`/`v_scale`) go whole to every rank that holds the weight. 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import QuantizationConfigError
 from ..header import TensorInfo
-from .formats import Format, Spec, field, fit, positive, whole
-from .placing import Axis, Companion
+from .formats import Format, Spec, field, first_fit, fit, positive, whole
+from .placing import Axis, Companion, Layout
 
 #: Companions that are scales of the weight's values (their shape says per block, group, channel or tensor).
 SCALES = ("weight_scale_inv", "weight_scale", "weight_zero_point")
@@ -63,8 +64,22 @@ def scaled_companion(name: str, tensors: Mapping[str, TensorInfo], blocks: Seque
         return None
     if weight is None or len(weight.shape) < 2:
         return None
-    specs = scale_specs(weight.shape, blocks, groups) if suffix in SCALES else scalar_specs(weight.shape)
-    return fit(name, tensors[name], weight.name, weight.shape, specs, what)
+    scale, t = suffix in SCALES, tensors[name]
+    layout = _layout(t.shape, weight.shape, tuple(blocks), tuple(groups), scale)
+    if layout is None:  # fit names what was expected
+        fit(name, t, weight.name, weight.shape, _specs(weight.shape, tuple(blocks), tuple(groups), scale), what)
+    return Companion(weight.name, layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple[int, ...], wshape: tuple[int, ...], blocks: tuple, groups: tuple, scale: bool) -> Layout | None:
+    """The layout of a scale (`scale`) or scalar of `shape` beside a weight of `wshape`. Cached: DeepSeek-V3 asks
+    it for 45,808 scales of a dozen shapes."""
+    return first_fit(shape, wshape, _specs(wshape, blocks, groups, scale))
+
+
+def _specs(wshape: tuple[int, ...], blocks: tuple, groups: tuple, scale: bool) -> list[tuple[Spec, str]]:
+    return scale_specs(wshape, blocks, groups) if scale else scalar_specs(wshape)
 
 
 @dataclass(frozen=True)
