@@ -94,7 +94,8 @@ class Checkpoint:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for _, t in self.tensors())
+        """Bytes of tensor data: each file's data section (headers check that its tensors fill it exactly)."""
+        return sum(f.file_size - f.data_start for f in self.files)
 
 
 def parse_index(data: bytes, index: str) -> dict[str, str]:

@@ -28,13 +28,12 @@ from .stages import layer_index, partition, tensor_stages
 
 
 class Placed(NamedTuple):
-    """How one tensor is placed: its placement and the label plans show, the pattern of the rule that chose it,
-    and the name that rule matched (a companion's weight; else the tensor's own)."""
+    """How tensors are placed: the placement, the label plans show, and the pattern of the rule that chose it
+    (shared by every tensor the same rule places the same way)."""
 
     placement: Placement
     label: str
     pattern: str
-    weight: str
 
 
 @contextmanager
@@ -67,8 +66,9 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
     mesh = opts.mesh
     all_rules = resolve_rules(ckpt.config.model_type, rules, opts.preset)
     tensors = list(ckpt.tensors())
-    placed, skipped = _placements(ckpt, tensors, all_rules, opts)
-    per_rank = _shards(ckpt, tensors, placed, _stages(ckpt, opts, all_rules, placed), opts)
+    placed, weights, skipped = _placements(ckpt, tensors, all_rules, opts)
+    stages = _stages(ckpt, opts, all_rules, placed, weights)
+    per_rank = _shards(ckpt, tensors, placed, weights, stages, opts)
     files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
@@ -85,43 +85,49 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
 
 
 def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dict[str, Placed],
-            stages: dict[str, tuple[int, ...]], opts: PlanOptions) -> list[list[TensorShard]]:
+            weights: dict[str, str], stages: dict[str, tuple[int, ...]], opts: PlanOptions) -> list[list[TensorShard]]:
     """Every rank's shards (of one replica: the others are copies), in file order. The tp ranks of a stage that
-    hold a tensor are asked of its placement once (`holders`), then each is sliced."""
+    hold a tensor are asked of its placement once (`holders`), then each is sliced. A companion's placement sees
+    its weight's name, and is held by the ranks that hold its weight (asked once for the weight and all its
+    companions)."""
     mesh, cfg = opts.mesh, ckpt.config
     coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]
     rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap
     heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
-    every = tuple(range(tp))
+    every, every_rank, known = tuple(range(tp)), Placement.holders, {}  # known: (weight, stage) -> holders
     per_rank: list[list[TensorShard]] = [[] for _ in coords]
     for fi, t in tensors:
         p = placed.get(t.name)
         if p is None:
             continue
-        placement, name, whole = p.placement, t.name, None  # one shard object for every rank that gets it whole
+        placement, name, whole = p.placement, weights.get(t.name, t.name), None  # whole: shared by all ranks
         try:
-            for s in stages.get(name, (0,)):
-                ranks = rank_of[s]
-                c = coords[ranks[0]]
-                holders = placement.holders(t.shape, ShardContext(0, tp, heads, kv, uneven, name, c, ep, experts))
+            for s in stages.get(t.name, (0,)):
+                ranks, holders = rank_of[s], None
+                if type(placement).holders is not every_rank:  # only then may a rank not hold the tensor
+                    holders = known.get((name, s), known)
+                    if holders is known:
+                        ctx = ShardContext(0, tp, heads, kv, uneven, name, coords[ranks[0]], ep, experts)
+                        holders = known[name, s] = placement.holders(t.shape, ctx)
                 for k in every if holders is None else holders:
-                    ctx = ShardContext(k, tp, heads, kv, uneven, name, coords[ranks[k]], ep, experts)
-                    slicing = placement.slicing(t.shape, ctx)
+                    slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name,
+                                                                      coords[ranks[k]], ep, experts))
                     if slicing is None:
                         whole = whole or tensor_shard(fi, t, p.label, None, max_gap)
                         per_rank[ranks[k]].append(whole)
                     else:
                         per_rank[ranks[k]].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path))
         except ShardingError as e:
-            raise type(e)(f"{ckpt.files[fi].path}: tensor {name!r} {list(t.shape)} "
+            raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({p.label}, rule {p.pattern!r}): {e}") from None
     return per_rank
 
 
 def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: tuple[Rule, ...],
-                opts: PlanOptions) -> tuple[dict[str, Placed], list[str]]:
-    """Every loaded tensor's placement, and the names of those not loaded (in file order).
+                opts: PlanOptions) -> tuple[dict[str, Placed], dict[str, str], list[str]]:
+    """Every loaded tensor's placement, each companion's weight, and the names of the tensors not loaded (in
+    file order).
 
     A plain tensor gets its rule's placement; a quantized layer's companion (`raylazy.core.quantization`) gets
     its weight's rule, followed at the companion's granularity. Multi-token-prediction layers (config.json's
@@ -136,20 +142,21 @@ def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: 
     drop = set() if opts.keep_mtp else _mtp_names(cfg, by_name)
     kept = [n for n in by_name if n not in drop] if drop else list(by_name)
     chosen = match(rules, dict.fromkeys([layout[n].weight if n in layout else n for n in kept] if layout else kept))
-    labels: dict[tuple[int, int], tuple[Placement, str]] = {}
+    shared: dict[tuple[int, int], Placed] = {}  # (rule, companion layout) -> how its tensors are placed
     placed, skipped = {}, set(drop)
     for name in kept:
         c = layout.get(name)
         rule = chosen[c.weight if c else name]
-        key = (id(rule), id(c.layout) if c else 0)
-        if key not in labels:
-            p = Following(rule.placement, c.layout) if c and rule.placement.loaded else rule.placement
-            labels[key] = (p, p.describe())
-        if rule.placement.loaded:
-            placed[name] = Placed(*labels[key], rule.pattern, c.weight if c else name)
-        else:
+        if not rule.placement.loaded:
             skipped.add(name)
-    return placed, [n for n in by_name if n in skipped] if skipped else []
+            continue
+        key = (id(rule), id(c.layout) if c else 0)
+        if key not in shared:
+            p = Following(rule.placement, c.layout) if c else rule.placement
+            shared[key] = Placed(p, p.describe(), rule.pattern)
+        placed[name] = shared[key]
+    weights = {n: c.weight for n, c in layout.items() if n in placed}
+    return placed, weights, [n for n in by_name if n in skipped] if skipped else []
 
 
 def _mtp_names(cfg, tensors) -> set[str]:
@@ -171,8 +178,8 @@ def with_replicas(plan: Plan, dp: int) -> Plan:
     return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
 
 
-def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...],
-            placed: dict[str, Placed]) -> dict[str, tuple[int, ...]]:
+def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], placed: dict[str, Placed],
+            weights: dict[str, str]) -> dict[str, tuple[int, ...]]:
     """The pipeline stages of each loaded tensor (empty with one stage: everything is on stage 0). A companion
     without a layer index (a quantized head's scale) goes where a stage rule puts its weight."""
     if opts.mesh.pp == 1:
@@ -186,7 +193,7 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...],
     if tied is None:  # config.json does not say: tied when there is no head of its own
         tied = not any(t.name == "lm_head.weight" for _, t in ckpt.tensors())
     return tensor_stages(placed, partition(layers, opts.mesh.pp, opts.pp_layers),
-                         lambda n: stage_of(rules, placed[n].weight), tied,
+                         lambda n: stage_of(rules, weights.get(n, n)), tied,
                          cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
 
 

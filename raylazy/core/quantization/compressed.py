@@ -17,7 +17,7 @@ from ...errors import QuantizationConfigError, UnsupportedQuantizationError
 from ..header import TensorInfo
 from .formats import Format, field, positive
 from .fp4 import fp4_packed
-from .fp8 import scaled_companion
+from .fp8 import SCALED_SUFFIXES, scaled_companion
 from .packed import pack_quantized
 from .placing import Companion
 
@@ -29,6 +29,9 @@ KNOWN_FORMATS = ("dense", "float-quantized", "int-quantized", "naive-quantized",
 @dataclass(frozen=True)
 class CompressedTensors(Format, methods=("compressed-tensors",)):
     """The bit widths of its int weights, its group sizes and its block shapes, from `config_groups`."""
+
+    suffixes = SCALED_SUFFIXES + (".weight_packed", ".weight_g_idx", ".weight_shape", ".weight_global_scale",
+                                  ".input_global_scale")
 
     bits: tuple[int, ...] = ()
     groups: tuple[int, ...] = ()

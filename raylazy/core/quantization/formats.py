@@ -28,8 +28,8 @@ FORMATS: dict[str, type[Format]] = {}
 class Format(ABC):
     """A quantization format: which tensors of a checkpoint are companions of which weight, and how each lies."""
 
-    #: `quant_method` as config.json spells it.
-    method: ClassVar[str] = ""
+    #: How every companion's name ends (None: any name may be one): a first sieve, in C, over ~10^5 names.
+    suffixes: ClassVar[tuple[str, ...] | None] = None
 
     def __init_subclass__(cls, methods: Sequence[str] = (), **kwargs):
         super().__init_subclass__(**kwargs)
@@ -48,7 +48,8 @@ class Format(ABC):
     def companions(self, tensors: Mapping[str, TensorInfo]) -> dict[str, Companion]:
         """Every companion tensor of the checkpoint (`tensors`: name -> TensorInfo) with its weight and layout."""
         out = {}
-        for name in tensors:
+        ends = self.suffixes
+        for name in tensors if ends is None else [n for n in tensors if n.endswith(ends)]:
             c = self.companion(name, tensors)
             if c is not None:
                 out[name] = c
@@ -71,7 +72,7 @@ class Unsupported(Format):
     """A `quant_method` raylazy does not know: planning it is an error (its scales would be placed by name)."""
 
     def __init__(self, method: str):
-        self.method = method
+        self.method = method  # quant_method as config.json spells it
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], source: str) -> Format:

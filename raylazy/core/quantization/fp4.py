@@ -49,6 +49,8 @@ def fp4_packed(name: str, tensors: Mapping[str, TensorInfo], groups: Sequence[in
 class Mxfp4(Format, methods=("mxfp4",)):
     """gpt-oss's MXFP4 experts: `P_blocks` and `P_scales` beside the logical weight `P`."""
 
+    suffixes = ("_blocks", "_scales")
+
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], source: str) -> Mxfp4:
         return cls()

@@ -82,9 +82,15 @@ def _specs(wshape: tuple[int, ...], blocks: tuple, groups: tuple, scale: bool) -
     return scale_specs(wshape, blocks, groups) if scale else scalar_specs(wshape)
 
 
+#: How the names of `scaled_companion`'s companions end.
+SCALED_SUFFIXES = tuple(f".{s}" for s in (*SCALES, *SCALARS, *KV_SCALES)) + ("_scale_inv", "_activation_scale")
+
+
 @dataclass(frozen=True)
 class Fp8(Format, methods=("fp8", "fbgemm_fp8")):
     """FP8 weights with block scales (`weight_block_size`), or per-channel or per-tensor scales."""
+
+    suffixes = SCALED_SUFFIXES
 
     block: tuple[int, int] | None = None
 

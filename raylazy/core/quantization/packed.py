@@ -63,6 +63,8 @@ def _group(raw: Mapping[str, Any], source: str, key: str = "group_size") -> int 
 class Gptq(Format, methods=("gptq",)):
     """GPTQ: `bits`-bit codes packed along the input, scales per `group` input columns (None: per channel)."""
 
+    suffixes = (".qweight", ".qzeros", ".scales", ".g_idx")
+
     bits: int = 4
     group: int | None = 128
     act_order: bool = False
@@ -95,6 +97,8 @@ class Gptq(Format, methods=("gptq",)):
 @dataclass(frozen=True)
 class Awq(Format, methods=("awq",)):
     """AWQ (GEMM layout): `bits`-bit codes packed along the output, scales per `group` input columns."""
+
+    suffixes = (".qweight", ".qzeros", ".scales")
 
     bits: int = 4
     group: int | None = 128
