@@ -75,9 +75,9 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
     from benchmarks.loaders.impls import load_raw
     from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import node_schedule
-    from raylazy.io.collective import ExchangeTask, read_rank_exchanged
+    from raylazy.io.exchange import ExchangeTask, read_rank_exchanged
     from raylazy.io.fst import read_rank_fastsafetensors
-    from raylazy.io.ranged import read_rank
+    from raylazy.io.ranged import read_rank_ranged
 
     try:
         device = "cpu" if cpu else f"cuda:{rank}"
@@ -91,7 +91,7 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
         if loader == "raw":
             load_raw(torch, rp, checkpoint_files(model_dir))
         elif loader == "ranged":
-            read_rank(rp, device)
+            read_rank_ranged(rp, device)
         elif loader == "fastsafetensors":
             read_rank_fastsafetensors(rp, device, options=ReaderOptions(backend="fastsafetensors", nogds=tp > 1 or None))
         else:

@@ -4,7 +4,7 @@ Writes the checkpoint as sparse files (real tensor names, shapes and dtype, spli
 over 191 shards with an index and config.json as Hugging Face ships it): each file
 holds a real safetensors header and is then truncated to its full size, so ~812 GB
 of "weights" take no disk. Then it times `make_plan(dir, 8)` and header reading
-alone, and the node I/O schedule of all ranks on one node (`plan.for_nodes`), and counts the bytes planning actually reads from disk (`rchar` of
+alone, and the node I/O schedule of all ranks on one node (`with_node_schedules`), and counts the bytes planning actually reads from disk (`rchar` of
 /proc/self/io), which must be the headers, the index and config.json, nothing more.
 
     python benchmarks/plan_405b.py                 # full size, tp=8

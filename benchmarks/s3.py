@@ -48,9 +48,9 @@ def _worker(loader: str, plan_path: str, rank: int, options: dict) -> dict:
         shards = impls.load_runai(torch, rp, [f.uri for f in plan.files])
     else:
         from raylazy.core.options import ReaderOptions
-        from raylazy.io.ranged import read_rank
+        from raylazy.io.ranged import read_rank_ranged
 
-        shards, _ = read_rank(rp, "cpu", options=ReaderOptions(storage_options=options))
+        shards, _ = read_rank_ranged(rp, "cpu", options=ReaderOptions(storage_options=options))
     seconds = time.perf_counter() - t0
     sums = impls.checksums(shards)
     return {"seconds": seconds, "digest": hashlib.sha1(json.dumps(sums, sort_keys=True).encode()).hexdigest()}

@@ -1,6 +1,6 @@
 """vLLM load formats compared: seconds from `LLM(...)` to ready and bytes pulled from storage, cold.
 
-Run with the vLLM virtualenv's python (README, "vLLM"), from the repository root, e.g.
+Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, e.g.
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 \
         --formats raylazy auto fastsafetensors runai_streamer

@@ -59,7 +59,7 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                    help="object storage setting over the environment's (endpoint=..., allow_http=true, region=...); "
                    "repeatable")
     p.add_argument("--rules", metavar="FILE", help='sharding rules (JSON list of {"pattern": ..., "placement": '
-                   '{"type": ...}}), tried before the preset; see the README\'s "Sharding rules"')
+                   '{"type": ...}}), tried before the preset; see docs/rules.md')
 
 
 def _mesh_args(args) -> dict:

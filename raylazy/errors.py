@@ -9,6 +9,7 @@ fix the problem where there is something the user can do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 
@@ -262,16 +263,45 @@ def first_line(e: BaseException) -> str:
 
 
 class RankFailedError(LoadError):
-    """One or more ranks failed; `failures` maps each failed rank to its cause."""
+    """One or more ranks failed; `failures` maps each failed rank to its cause.
+
+    The message lists each distinct cause once, with the ranks it hit: causes whose type and first line
+    agree but for numbers (a rank, a byte offset) are one group, shown by its lowest rank's message."""
 
     def __init__(self, failures: Mapping[int, BaseException], context: str = "load"):
         self.failures = dict(sorted(failures.items()))
         self.context = context
-        ranks = ", ".join(str(r) for r in self.failures)
-        lines = [f"{context} failed on rank(s) {ranks}:"]
-        for rank, err in self.failures.items():
-            lines.append(f"  rank {rank}: {type(err).__name__}: {first_line(err)}")
+        lines = [f"{context} failed on {len(self.failures)} rank(s):"]
+        for ranks, err in group_failures(self.failures):
+            others = " (the others' differ only in numbers)" if len(ranks) > 1 and any(
+                first_line(self.failures[r]) != first_line(err) for r in ranks) else ""
+            lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}: {type(err).__name__}: "
+                         f"{first_line(err)}{others}")
         super().__init__("\n".join(lines))
 
     def __reduce__(self):
         return (type(self), (self.failures, self.context))
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def group_failures(failures: Mapping[int, BaseException]) -> list[tuple[list[int], BaseException]]:
+    """Ranks grouped by cause, in order of their lowest rank: causes of the same type whose first lines differ
+    only in their numbers are one group; each group comes with its lowest rank's cause."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank in sorted(failures):
+        err = failures[rank]
+        groups.setdefault((type(err).__name__, _NUMBER.sub("#", first_line(err))), []).append(rank)
+    return [(ranks, failures[ranks[0]]) for ranks in groups.values()]
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -16,7 +16,7 @@ import raylazy.io.fst as fst
 from raylazy.core.options import ReaderOptions
 from raylazy.core.placements import Replicated, Split
 from raylazy.errors import BufferMismatchError, RaylazyError
-from raylazy.io.ranged import read_rank
+from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
 
 GARBAGE = 0x5A
@@ -25,7 +25,7 @@ GARBAGE = 0x5A
 def _read(backend: str, rp, **kw):
     if backend == "fastsafetensors":
         return fst.read_rank_fastsafetensors(rp, "cpu", options=ReaderOptions(backend="fastsafetensors"), **kw)
-    return read_rank(rp, "cpu", options=ReaderOptions(chunk_bytes=4096), stage=backend == "ranged-staged", **kw)
+    return read_rank_ranged(rp, "cpu", options=ReaderOptions(chunk_bytes=4096), stage=backend == "ranged-staged", **kw)
 
 
 BACKENDS = ("ranged", "ranged-staged", "fastsafetensors")

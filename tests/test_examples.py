@@ -1,5 +1,5 @@
-"""The examples run as the README says: a Ray job on a local head node, the I/O-plan notebook, the cluster
-launcher config, and the autoscaling experiment on Ray's fake multi-node provider.
+"""The examples run as the docs say (docs/ray.md, docs/planning.md): a Ray job on a local head node, the I/O-plan
+notebook, the cluster launcher config, and the autoscaling experiment on Ray's fake multi-node provider.
 
 Clusters started here stay on loopback, use their own --temp-dir (so no other `ray.init()` on this machine
 finds them) and free ports, and are torn down by killing exactly the processes they started: never
@@ -90,7 +90,7 @@ class HeadNode:
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
                     "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
         self.env.pop("RAY_ADDRESS", None)
-        # the job's `python` is this interpreter, as in the README's activated virtualenv (not whatever PATH has)
+        # the job's `python` is this interpreter, as in the docs' activated virtualenv (not whatever PATH has)
         self.env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + self.env.get("PATH", "")
         cmd = _ray_cli() + [
             "start", "--head", f"--temp-dir={self.temp_dir}", f"--port={self.port}",
@@ -99,7 +99,7 @@ class HeadNode:
             f"--num-cpus={num_cpus}", "--object-store-memory=300000000", "--disable-usage-stats",
         ]
         try:
-            # as the README: a token in ~/.ray/auth_token if there is none, then token auth for every command
+            # as docs/ray.md: a token in ~/.ray/auth_token if there is none, then token auth for every command
             subprocess.run(_ray_cli() + ["get-auth-token", "--generate"], env=self.env, capture_output=True,
                            check=True, timeout=60)
             out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
@@ -131,7 +131,7 @@ class HeadNode:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ray_job_submit():
-    """The README's `ray job submit --working-dir . -- python examples/ray_job.py` succeeds on a local head."""
+    """docs/ray.md's `ray job submit --working-dir . -- python examples/ray_job.py` succeeds on a local head."""
     head = HeadNode()
     try:
         cmd = _ray_cli() + ["job", "submit", "--working-dir", ".", "--", "python", "examples/ray_job.py", "--tp", "2"]

@@ -23,8 +23,9 @@ import raylazy
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import node_schedule, rank_keeps
 from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
-from raylazy.io import coop_exchange
-from raylazy.io.collective import ExchangeTask, NodeRounds, node_address, read_rank_exchanged
+from raylazy.io import exchange
+from raylazy.io.collective import node_address
+from raylazy.io.exchange import ExchangeTask, NodeRounds, read_rank_exchanged
 
 #: Children are forked from a server that has imported torch and raylazy once (fast, and no OpenMP
 #: state of the test process is inherited).
@@ -41,7 +42,7 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
     if fault == "absent":  # never joins: the others must give up at the rendezvous
         return
     if fault in ("raise", "exit", "stall"):
-        read = coop_exchange._StripeReader._read
+        read = exchange._StripeReader._read
 
         def broken(self, s, buf):
             if fault == "exit":
@@ -51,7 +52,7 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
                 return read(self, s, buf)
             raise ReadError(f"injected failure reading stripe {s}")
 
-        coop_exchange._StripeReader._read = broken
+        exchange._StripeReader._read = broken
     results = []
     for plan, sched, address, budget, timeout_s in cases:
         try:

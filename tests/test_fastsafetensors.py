@@ -19,7 +19,7 @@ from raylazy.core.dtypes import DTYPE_BITS
 from raylazy.core.options import QUEUE_SIZE_ENV, ReaderOptions, load_options
 from raylazy.core.placements import Replicated, Split
 from raylazy.errors import ConfigurationError, FileChangedError, GDSUnavailableError, ReadError
-from raylazy.io.ranged import read_rank
+from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
 from raylazy.storage import read_header
 
@@ -56,7 +56,7 @@ def test_shards_match_ranged_and_safetensors(model_dir, references, tp, queue_si
         progress = []
         shards, stats = fst.read_rank_fastsafetensors(rp, "cpu", options=fst_options(queue_size),
                                                       on_progress=progress.append)
-        ranged, rstats = read_rank(rp, "cpu")
+        ranged, rstats = read_rank_ranged(rp, "cpu")
         assert_same_shards(shards, ranged)
         assert_same_shards(shards, {t.name: reference_shard(full[t.name], t) for t in rp.tensors})
         # the shard is its own tensor, not a view of the loader's (freed) buffers
@@ -113,7 +113,7 @@ def test_other_dtypes_padding_scalars_and_empty_tensors(tmp_path, tp):
     plan = make_plan(d, tp, rules=DTYPE_RULES, preset=None, uneven="pad")
     for rp in plan.ranks:
         shards, stats = fst.read_rank_fastsafetensors(rp, "cpu", options=fst_options(1))
-        ranged, rstats = read_rank(rp, "cpu")
+        ranged, rstats = read_rank_ranged(rp, "cpu")
         assert_same_shards(shards, ranged)
         assert stats.bytes_needed == rstats.bytes_needed
 
@@ -316,7 +316,7 @@ def test_gds_unavailable_falls_back_to_nogds_with_one_warning(llama_dir, monkeyp
     progress = []
     shards, stats = fst.read_rank_fastsafetensors(rp, "cpu", options=fst_options(1), on_progress=progress.append)
     assert fake.calls == [False, True]
-    assert_same_shards(shards, read_rank(rp, "cpu")[0])
+    assert_same_shards(shards, read_rank_ranged(rp, "cpu")[0])
     warnings = [r for r in pretend_gds.records if r.levelno >= logging.WARNING and r.name == "raylazy"]
     assert len(warnings) == 1 and "GPUDirect Storage is unavailable" in warnings[0].getMessage()
     assert "init_gds" in stats.gds_fallback and stats.gds is False
@@ -440,7 +440,7 @@ def test_load_through_ray_matches_ranged(llama_dir, ray_local, monkeypatch, queu
         expected_q = 2 if queue_size == "env=2" else queue_size
         assert m.options.reader.queue_size == expected_q
         for rank, rp in enumerate(m.plan.ranks):
-            assert_same_shards(m.get(rank), read_rank(rp, "cpu")[0])
+            assert_same_shards(m.get(rank), read_rank_ranged(rp, "cpu")[0])
             s = m.stats[rank]
             used = {r.file for t in rp.tensors for r in t.reads}
             assert s.backend == "fastsafetensors" and s.staging_buffers == min(len(used), max(1, expected_q + 2))

@@ -730,7 +730,7 @@ def test_agrees_with_safetensors(tmp_path, case):
         reject(tmp_path, blob, exc)
 
 
-#: Deliberate differences: safetensors accepts these, raylazy refuses them (README, "Choices made").
+#: Deliberate differences: safetensors accepts these, raylazy refuses them (docs/design.md, "Choices made").
 STRICTER_THAN_REFERENCE = {
     # safetensors keeps the last value of a repeated key.
     "duplicate-top-level": ('{"a":%s,"a":%s}' % (json.dumps(T2), json.dumps(T2)), DuplicateKeyError),
@@ -993,11 +993,16 @@ def test_every_error_sits_in_one_family(cls):
         assert families == [errors.CheckpointError]
 
 
-def test_every_family_is_in_the_readme():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Errors") :].split("\n## ")[0]
-    for cls in (*FAMILIES, PartialByteError, errors.RankFailedError):
-        assert f"`{cls.__name__}`" in section, cls.__name__
+def test_every_error_is_on_the_errors_page():
+    """docs/errors.md: its table's "catch" column is exactly the families, and the page names every error."""
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")).read()
+    table = page[: page.index("\n## ")]  # the families' table and what follows it, before the kinds of HeaderError
+    caught = {row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| `")}
+    assert caught == {f"`{f.__name__}`" for f in FAMILIES}
+    for cls in (PartialByteError, errors.RankFailedError):
+        assert f"`{cls.__name__}`" in table, cls.__name__
+    missing = [c.__name__ for c in _all_error_classes() if f"`{c.__name__}`" not in page]
+    assert not missing, f"error classes docs/errors.md does not name: {missing}"
 
 
 def test_raised_header_errors_pickle_round_trip(tmp_path):
@@ -1011,5 +1016,26 @@ def test_raised_header_errors_pickle_round_trip(tmp_path):
 
 def test_rank_failed_error_keeps_its_context_across_pickling():
     err = errors.RankFailedError({0: ValueError("boom")}, context="plan")
-    assert str(err).startswith("plan failed on rank(s) 0")
+    assert str(err).startswith("plan failed on 1 rank(s):\n  rank 0: ValueError: boom")
     assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+def test_rank_failed_error_lists_each_cause_once_with_its_ranks():
+    """64 ranks failing alike are one line (as Ray Train groups worker errors); causes differing only in numbers
+    group too, shown by the lowest rank's message; other causes get lines of their own."""
+    same = {r: errors.ReadError(f"/m/a.safetensors: reading tensor 'w' at byte {100 * r}: Input/output error")
+            for r in range(64)}
+    err = errors.RankFailedError(same)
+    assert str(err).splitlines() == [
+        "load failed on 64 rank(s):",
+        "  ranks 0-63: ReadError: /m/a.safetensors: reading tensor 'w' at byte 0: Input/output error "
+        "(the others' differ only in numbers)"]
+    mixed = errors.RankFailedError({5: ValueError("boom"), 0: errors.PeerFailedError("peer 3 died"),
+                                    1: errors.PeerFailedError("peer 3 died"), 7: ValueError("boom"),
+                                    2: errors.PeerFailedError("peer 3 died"), 6: KeyError("x")}, context="reload")
+    assert str(mixed).splitlines() == [
+        "reload failed on 6 rank(s):",
+        "  ranks 0-2: PeerFailedError: peer 3 died",
+        "  ranks 5, 7: ValueError: boom",
+        "  rank 6: KeyError: 'x'"]
+    assert list(mixed.failures) == [0, 1, 2, 5, 6, 7]

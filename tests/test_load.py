@@ -396,7 +396,7 @@ def test_rank_read_failure_names_ranks_and_file(llama_dir, ray_local, tmp_path):
         load_with(truncating_loader(victim, size - 1), str(copy), 2, device="cpu", progress=False, backend="ranged")
     err = info.value
     assert set(err.failures) == users
-    assert "rank(s) " + ", ".join(map(str, sorted(users))) in str(err)
+    assert f"load failed on {len(users)} rank(s):" in str(err)
     assert victim in str(err)
     assert all(victim in str(e) for e in err.failures.values())
     assert_no_leaks(before, "a failed rank")

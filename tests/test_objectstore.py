@@ -30,7 +30,7 @@ from raylazy.errors import (  # noqa: E402
     StorageAccessError,
 )
 from raylazy.io.backends import backend_for  # noqa: E402
-from raylazy.io.ranged import read_rank  # noqa: E402
+from raylazy.io.ranged import read_rank_ranged  # noqa: E402
 from raylazy.planning import make_plan  # noqa: E402
 from raylazy.storage import open_checkpoint, open_source  # noqa: E402
 from raylazy.storage.objects import DEFAULT_MAX_GAP  # noqa: E402
@@ -81,7 +81,7 @@ def test_ranks_fetch_only_their_ranges(s3, s3_llama, llama_dir, tp, max_gap, par
     sizes = {f"{s3_llama}/{n}": header_bytes(os.path.join(llama_dir, n)) for n in shard_files(llama_dir)}
     for rp in plan.ranks:
         s3.reset()
-        shards, stats = read_rank(rp, "cpu", options=ReaderOptions(storage_options=options, chunk_bytes=8192))
+        shards, stats = read_rank_ranged(rp, "cpu", options=ReaderOptions(storage_options=options, chunk_bytes=8192))
         counts = s3.reset()
         check_rank(rp, shards, llama_dir)
         used = {rp.files[r.file].uri for t in rp.tensors for r in t.reads}
@@ -104,7 +104,7 @@ def test_a_rank_keeps_max_concurrency_gets_in_flight(s3, s3_llama, llama_dir, pa
     s3.first_byte_s = 0.02
     try:
         s3.reset()
-        shards, _ = read_rank(plan.ranks[0], "cpu", options=ReaderOptions(storage_options=options, threads=1,
+        shards, _ = read_rank_ranged(plan.ranks[0], "cpu", options=ReaderOptions(storage_options=options, threads=1,
                                                                            chunk_bytes=8192))
         counts = s3.reset()
     finally:
@@ -119,7 +119,7 @@ def test_retries_throttling_and_resets_then_reports(s3, s3_llama, llama_dir):
     s3.reset()
     # opening the 3 files: HEAD, GET, GET each; then the data GETs, two of them cut half-way through the body
     s3.faults = ["503", "reset", None, "503", None, None, "reset", "503", None, None, None, None, "cut", None, "cut"]
-    shards, _ = read_rank(plan.ranks[0], "cpu", options=options)
+    shards, _ = read_rank_ranged(plan.ranks[0], "cpu", options=options)
     check_rank(plan.ranks[0], shards, llama_dir)
     requests = s3.reset().requests
     assert [r.status for r in requests].count(503) == 3 and not s3.faults
@@ -128,7 +128,7 @@ def test_retries_throttling_and_resets_then_reports(s3, s3_llama, llama_dir):
     s3.faults = ["503"] * 1000
     t0 = time.monotonic()
     with pytest.raises(ReadError, match=r"s3://.*503"):
-        read_rank(plan.ranks[1], "cpu", options=options)
+        read_rank_ranged(plan.ranks[1], "cpu", options=options)
     assert time.monotonic() - t0 < 10
     assert 1000 - len(s3.faults) >= 4  # tried, then retried max_retries times
     s3.faults = []
@@ -147,7 +147,7 @@ def test_object_replaced_after_planning_is_detected(s3, llama_dir, tmp_path):
         with pytest.raises(FileChangedError, match="replaced while being read"):
             opened.read(opened.size - 10, 10)
     with pytest.raises(FileChangedError, match=f"{name}: the object's ETag is .* plan again"):
-        read_rank(rp, "cpu", options=ReaderOptions(storage_options=s3.storage_options))
+        read_rank_ranged(rp, "cpu", options=ReaderOptions(storage_options=s3.storage_options))
 
 
 def test_missing_bucket_prefix_or_shard_is_a_clear_error_at_once(s3, s3_llama, llama_dir, tmp_path):

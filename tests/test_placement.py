@@ -80,7 +80,7 @@ def _groups() -> set:
 def test_a_request_that_can_never_be_placed_fails_at_once(llama_dir, ray_local, kwargs, asked):
     import ray
 
-    from raylazy.cluster.bundles import autoscaler_can_add_nodes
+    from raylazy.cluster.ray_internals import autoscaler_can_add_nodes
 
     assert not autoscaler_can_add_nodes()  # a local Ray runs Ray's read-only autoscaler
     before, t0 = _groups(), time.monotonic()

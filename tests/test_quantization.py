@@ -6,7 +6,7 @@ format's `quantization_config`; no quantization library, no GPU) and dequantizes
 (tests/quantized.py). The rank slices are the tensor-parallel convention, written out here (`expected`):
 column-parallel layers split their output rows, row-parallel ones their input columns, attention by whole heads
 (kv heads replicated past their count), fused q|k|v and gate|up per part, and with expert parallel each expert
-whole on its rank (vLLM's linear expert map). Plans run through raylazy.plan and raylazy.io.ranged.read_rank.
+whole on its rank (vLLM's linear expert map). Plans run through raylazy.plan and raylazy.io.ranged.read_rank_ranged.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from planlib import as_bytes, reference_shard
 from safetensors.torch import save_file
 
 import raylazy
-from raylazy.core.placements import Expert, Heads, Replicated, Split
 from raylazy.errors import (
     QuantizedLayoutError,
     QuantizedSplitError,
     ShardingError,
     UnsupportedQuantizationError,
 )
-from raylazy.io.ranged import read_rank
+from raylazy.io.ranged import read_rank_ranged
 
 HEADS, KV_HEADS, HEAD_DIM, H, I, IE, E, V = 4, 2, 128, 256, 512, 512, 4, 256
 
@@ -159,7 +158,7 @@ def layer_parts(tensors: dict, prefix: str) -> dict:
 
 def rank_shards(model_dir: str, tp: int, **options) -> tuple[raylazy.Plan, list[dict]]:
     plan = raylazy.plan(model_dir, tp, **options)
-    return plan, [read_rank(rp)[0] for rp in plan.ranks]
+    return plan, [read_rank_ranged(rp)[0] for rp in plan.ranks]
 
 
 # --- the property ------------------------------------------------------------------------------------------------
@@ -205,19 +204,6 @@ def test_plain_tensors_and_labels_are_unchanged(quantized_model):
 
 # --- formats of their own: gpt-oss's MXFP4 experts, DeepSeek-V3's released layout ------------------------------
 
-#: gpt-oss's experts as its MXFP4 checkpoint stores them, and the rules a dense gpt-oss would be placed by
-#: (transformers' layouts: gate_up_proj [E, H, 2I], rows of gate and up interleaved and split contiguously as
-#: vLLM does; down_proj [E, I, H]; the sinks by head).
-GPT_OSS_RULES = [
-    ("*.mlp.experts.gate_up_proj", Expert(Split(2), dim=0)),
-    ("*.mlp.experts.down_proj", Expert(Split(1), dim=0)),
-    ("*.mlp.experts.gate_up_proj_bias", Expert(Split(1), dim=0)),
-    ("*.mlp.experts.down_proj_bias", Expert(Replicated(), dim=0)),
-    ("*.self_attn.sinks", Heads("q")),
-    ("*", Replicated()),
-]
-
-
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory) -> str:
     g, hidden, inter = torch.Generator().manual_seed(7), 256, 256
@@ -235,8 +221,11 @@ def gpt_oss_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("tp, ep", [(2, False), (4, False), (4, True)], ids=["tp2", "tp4", "tp4-ep"])
 def test_mxfp4_experts_dequantize_to_rank_slices(gpt_oss_dir, tp, ep):
+    """gpt-oss's MXFP4 experts out of the box: the blocks and scales follow the built-in rules of the dense layout
+    (transformers' gate_up_proj [E, H, 2I], gate and up rows interleaved and split contiguously as vLLM splits
+    them; down_proj [E, I, H] split along I), the sinks by head."""
     full = reference_tensors(gpt_oss_dir)
-    _, ranks = rank_shards(gpt_oss_dir, tp, rules=GPT_OSS_RULES, expert_parallel=ep)
+    _, ranks = rank_shards(gpt_oss_dir, tp, expert_parallel=ep)
     p = "model.layers.0.mlp.experts."
     for r, shards in enumerate(ranks):
         for proj, dim in (("gate_up_proj", 2), ("down_proj", 1)):  # N of gate_up, K of down

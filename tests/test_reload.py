@@ -205,6 +205,7 @@ def test_a_reload_failing_part_way_leaves_the_rank_without_shards_until_it_succe
         with pytest.raises(RankFailedError) as info:
             loaded.reload(llama_b)
         assert list(info.value.failures) == [1] and isinstance(info.value.failures[1], ReadError)
+        assert str(info.value).startswith("reload failed on 1 rank(s):"), str(info.value)
         assert "Input/output error" in str(info.value.failures[1])
         with pytest.raises(NoShardsError, match="holds no shards"):  # partly overwritten: never served
             ray.get(loaded.actors[1].shards.remote(), timeout=60)

@@ -175,10 +175,10 @@ def test_missing_rules_file(tmp_path):
         read_rules(tmp_path / "nope.json")
 
 
-def test_the_readme_example_is_a_valid_rules_file(tmp_path):
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
-        readme = f.read()
-    example = readme.split("```json\n", 1)[1].split("```", 1)[0]
+def test_the_rules_page_example_is_a_valid_rules_file(tmp_path):
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "rules.md")) as f:
+        page = f.read()
+    example = page.split("```json\n", 1)[1].split("```", 1)[0]
     (tmp_path / "rules.json").write_text(example)
     rules = read_rules(tmp_path / "rules.json")
     assert rules[2].placement == Fused((Heads("q"), Heads("kv"), Heads("kv")))

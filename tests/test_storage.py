@@ -13,7 +13,7 @@ import raylazy.io.fst as fst
 import raylazy.storage
 from raylazy.core.options import ReaderOptions
 from raylazy.errors import ConfigurationError, UnsupportedStorageError
-from raylazy.io.ranged import read_rank
+from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
 from raylazy.storage import (
     LocalStorage,
@@ -95,7 +95,7 @@ def test_plan_and_read_through_another_storage(mem_llama, llama_dir):
     full = reference_tensors(llama_dir)
     for rp in plan.ranks:
         for stage in (False, True):
-            shards, stats = read_rank(rp, "cpu", options=ReaderOptions(chunk_bytes=4096), stage=stage)
+            shards, stats = read_rank_ranged(rp, "cpu", options=ReaderOptions(chunk_bytes=4096), stage=stage)
             for t in rp.tensors:
                 assert as_bytes(shards[t.name]) == as_bytes(reference_shard(full[t.name], t)), t.name
             assert stats.bytes_needed == rp.stats.bytes_needed

@@ -7,8 +7,8 @@ loader and raylazy's must give the same greedy tokens, also equal to transformer
 engine, every worker also loads fresh copies of the model with both loaders (vLLM's CPU post-processing empties
 the served model's linear weights, so they are compared as loaded): every rank's weights must be equal, bit for
 bit. Each rank's log line must show it read at most 1.02 x its bytes needed, and exactly the bytes raylazy's own
-planner (its presets) gives that rank. A rank fed its neighbour's bytes (the loader's test hook) must fail the
-weight check.
+planner (its presets) gives that rank. A rank fed its neighbour's bytes (tests/vllm/peer_loader.py, a broken
+loader of the tests' own) must fail the weight check.
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_a_rank_fed_another_ranks_bytes_fails_the_weight_check(engines, model):
-    """The loader's test hook feeds rank 0 each region's neighbour: its sharded weights differ from vLLM's own
-    loader's (every kind of them), rank 1's do not: the weight check above can fail."""
+    """The tests' broken loader (tests/vllm/peer_loader.py) feeds rank 0 each region's neighbour: its sharded
+    weights differ from vLLM's own loader's (every kind of them), rank 1's do not: the weight check above can fail."""
     loaded = engines(2)[(model, "raylazy")]["loaded"]
     peer, ref = loaded["raylazy+peer"], loaded["auto"]
     wrong = [n for n in ref[0] if peer[0][n] != ref[0][n]]

@@ -199,9 +199,9 @@ def load_raylazy_direct(torch, rank_plan, files: list[str], backend: str = "rang
     from raylazy.core.options import ReaderOptions
 
     if backend == "ranged":
-        from raylazy.io.ranged import read_rank
+        from raylazy.io.ranged import read_rank_ranged
 
-        return read_rank(rank_plan, "cpu", options=ReaderOptions())[0]
+        return read_rank_ranged(rank_plan, "cpu", options=ReaderOptions())[0]
     from raylazy.io.fst import read_rank_fastsafetensors
 
     return read_rank_fastsafetensors(rank_plan, "cpu", options=ReaderOptions(backend="fastsafetensors",

@@ -8,9 +8,9 @@ with `ray.remote` at creation); it imports torch when constructed, so the driver
 actors start.
 
 A rank's last completed read, its (RankPlan, ReaderOptions), is kept in Ray's internal KV
-under the actor's id (which survives restarts), so an actor that Ray restarts after its
-process died reads its plan again by itself (alone, with the ranged backend for node
-backends: its node's peers are not reading with it).
+(`raylazy.cluster.ray_internals`) under the actor's id (which survives restarts), so an actor
+that Ray restarts after its process died reads its plan again by itself (alone, with the ranged
+backend for node backends: its node's peers are not reading with it).
 """
 
 from __future__ import annotations
@@ -28,18 +28,17 @@ from ..core.options import ReaderOptions
 from ..core.plans import RankPlan
 from ..errors import NoShardsError
 from ..io.stats import Counter, ReadStats
+from .ray_internals import forget_rank, remember_rank, remembered_rank
 
 log = logging.getLogger("raylazy")
-
-#: Namespace of raylazy's entries in Ray's internal KV.
-KV_NAMESPACE = "raylazy"
 
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where a rank runs: Ray node id, host, process, the GPUs Ray gave it, the device it loads to."""
+    """Where a rank runs: its actor's id, Ray node id, host, process, the GPUs Ray gave it, the device it loads to."""
 
     rank: int
+    actor_id: str
     node_id: str
     hostname: str
     pid: int
@@ -56,18 +55,6 @@ def resolve_device(requested: str, gpu_ids) -> str:
     if not torch.cuda.is_available():
         raise RuntimeError(f"device={requested!r} but CUDA is not available to this actor (Ray GPU ids {gpu_ids})")
     return "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the GPU(s) it assigned
-
-
-def rank_key(actor_id: str) -> bytes:
-    """The KV key of the last completed read of the actor with this id (hex)."""
-    return f"rank/{actor_id}".encode()
-
-
-def forget_rank(actor_id: str) -> None:
-    """Drop an actor's entry from the KV (after a release its restart must not read again)."""
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(rank_key(actor_id), namespace=KV_NAMESPACE)
 
 
 def _own_actor_id() -> str | None:
@@ -94,13 +81,16 @@ _RECOVERING = threading.Lock()
 
 
 class RankMixin:
-    """The methods raylazy calls on a rank actor; mix it into any Ray actor class to make it a rank.
+    """The methods raylazy calls on a rank actor (`RANK_METHODS`); mix it into any Ray actor class to make it a rank.
 
-    `rank_init(rank, device)` (called by `raylazy.load(..., actors=[...])`), `info()`, `progress()`,
-    `exchange_address()`, `load(plan, options, node=None)`, `reload(plan, options, node=None)`, `shards()`,
-    `run(fn, *args)`, `release()`. The instance gets one attribute, `_raylazy`. Create the actor with
-    `max_concurrency` >= 2 (so `progress()` answers while `load()` runs) and `enable_tensor_transport=True`
-    for direct transports in `LoadedModel.refs`.
+    Setup and state: `rank_init(rank, device)` (called by `raylazy.load(..., actors=[...])`), `info()`,
+    `progress()`. Reading: `load(plan, options, node=None)`, `reload(plan, options, node=None)`,
+    `exchange_address()` (an exchanged load's meeting point), `forget_load(load_id)` (cleanup after a failed
+    cooperative read). Copies between replicas: `receive(source, plan, options, transport, in_place)` on the
+    receiving rank, `peer_shards(names)` on its source, `land(key, shards)` for batches over a direct transport.
+    The caller's: `shards()`, `run(fn, *args)`, `release()`. The instance gets one attribute, `_raylazy`. Create
+    the actor with `max_concurrency` >= 2 (so `progress()` answers while `load()` runs) and
+    `enable_tensor_transport=True` for direct transports in `LoadedModel.refs` and peer copies.
     """
 
     _raylazy: _RankState | None = None
@@ -112,6 +102,7 @@ class RankMixin:
         gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
         self._raylazy = _RankState(RankInfo(
             rank=rank,
+            actor_id=_own_actor_id() or "",
             node_id=ray.get_runtime_context().get_node_id(),
             hostname=socket.gethostname(),
             pid=os.getpid(),
@@ -132,13 +123,14 @@ class RankMixin:
         return self._rank().progress.value
 
     def exchange_address(self) -> str:
-        """`host:port` on this rank's node where its node's ranks can meet for an exchanged load
-        (`raylazy.io.collective`): the driver asks one rank per node and gives the answer to all of them."""
+        """Serve the rendezvous of this rank's node for an exchanged load and return its `host:port`
+        (`raylazy.io.collective.serve_rendezvous`): the driver asks each node's first rank and gives the answer
+        to all of the node's ranks."""
         import ray
 
-        from ..io.collective import node_address
+        from ..io.collective import serve_rendezvous
 
-        return node_address(ray.util.get_node_ip_address())
+        return serve_rendezvous(ray.util.get_node_ip_address())
 
     def load(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
         """Read this rank's shards into new tensors on its device (the old ones are dropped first); `node` (a
@@ -259,18 +251,13 @@ class RankMixin:
         state.shards, state.valid = shards, True
         actor_id = _own_actor_id()
         if actor_id:
-            from ray.experimental.internal_kv import _internal_kv_put
-
-            _internal_kv_put(rank_key(actor_id), pickle.dumps((state.info.rank, state.info.device, plan, options)),
-                             overwrite=True, namespace=KV_NAMESPACE)
+            remember_rank(actor_id, pickle.dumps((state.info.rank, state.info.device, plan, options)))
 
     def _recover(self) -> bool:
         """If the KV holds this actor's last completed read (its process died and Ray restarted it), become
         that rank again and read the plan alone; returns whether it did. A failed read leaves no shards."""
-        from ray.experimental.internal_kv import _internal_kv_get
-
         actor_id = _own_actor_id()
-        entry = _internal_kv_get(rank_key(actor_id), namespace=KV_NAMESPACE) if actor_id else None
+        entry = remembered_rank(actor_id) if actor_id else None
         if entry is None:
             return False
         rank, device, plan, options = pickle.loads(entry)
@@ -280,6 +267,11 @@ class RankMixin:
         except Exception as e:  # noqa: BLE001  (the rank then holds no shards: shards() says so)
             log.warning("raylazy: rank %d restarted but could not read its plan again: %s", rank, e)
         return True
+
+
+#: The methods raylazy calls on a rank actor: every public method of `RankMixin` (an actor given with `actors=`
+#: must have them all).
+RANK_METHODS = tuple(name for name, value in vars(RankMixin).items() if callable(value) and not name.startswith("_"))
 
 
 class RankLoader(RankMixin):

@@ -9,7 +9,6 @@ wait up to `placement_timeout_s`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -17,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from ..core.options import PlacementOptions
 from ..errors import PlacementError
+from .ray_internals import autoscaler_can_add_nodes
 
 #: GCS address of the local Ray that `ensure_ray` started in this process, if any.
 _started_gcs: str | None = None
@@ -37,7 +37,7 @@ def ensure_ray() -> bool:
     return _started_gcs is not None and _started_gcs == ray.get_runtime_context().gcs_address
 
 
-def rank_bundles(tp: int, opts: PlacementOptions, own_ray: bool) -> list[dict]:
+def rank_bundles(ranks: int, opts: PlacementOptions, own_ray: bool) -> list[dict]:
     """One bundle per rank: a GPU each when `use_gpu` (None: when the device is not the CPU and the cluster has
     GPUs; logical GPUs are fine), and `cpus_per_rank` CPUs (None: 1, or an equal share of a local Ray that
     raylazy started, since ranks are processes, not cores)."""
@@ -46,11 +46,11 @@ def rank_bundles(tp: int, opts: PlacementOptions, own_ray: bool) -> list[dict]:
     use_gpu = opts.use_gpu if opts.use_gpu is not None else (opts.device != "cpu" and cluster_has_gpus())
     cpus = opts.cpus_per_rank
     if cpus is None:
-        cpus = cpu_share(ray.cluster_resources().get("CPU", 0), tp) if own_ray else 1.0
+        cpus = cpu_share(ray.cluster_resources().get("CPU", 0), ranks) if own_ray else 1.0
     bundle = {"CPU": cpus} if cpus else {}
     if use_gpu:
         bundle["GPU"] = 1
-    return [dict(bundle) for _ in range(tp)]
+    return [dict(bundle) for _ in range(ranks)]
 
 
 def cluster_has_gpus() -> bool:
@@ -63,9 +63,10 @@ def cluster_has_gpus() -> bool:
 _RESOURCE_UNIT = 10_000
 
 
-def cpu_share(total_cpus: float, tp: int) -> float:
-    """CPUs per rank so that `tp` ranks fit in `total_cpus` (at most 1), rounded down to Ray's unit."""
-    return min(1.0, math.floor(total_cpus * _RESOURCE_UNIT / tp) / _RESOURCE_UNIT)
+def cpu_share(total_cpus: float, ranks: int) -> float:
+    """CPUs per rank so that `ranks` ranks (every rank of the mesh: tp x pp x replicas) fit in `total_cpus` (at
+    most 1), rounded down to Ray's unit."""
+    return min(1.0, math.floor(total_cpus * _RESOURCE_UNIT / ranks) / _RESOURCE_UNIT)
 
 
 def node_capacity(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:
@@ -100,26 +101,6 @@ def stage_strategy(bundles: list[dict], opts: PlacementOptions, stages: int) -> 
         return opts.placement_strategy
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     return "STRICT_PACK" if can_ever_place(bundles, nodes, "STRICT_PACK", stages) else opts.placement_strategy
-
-
-def autoscaler_can_add_nodes() -> bool:
-    """Whether the cluster runs an autoscaler that may add nodes (not Ray's read-only one).
-
-    Reads the status record the autoscaler keeps in the GCS (what `ray status` prints):
-    without an autoscaling config Ray runs a read-only autoscaler whose node types are
-    just the running nodes, named `node_<node id>`. Autoscaler v2 keeps no such record;
-    it is taken as able to add nodes.
-    """
-    from ray.autoscaler.v2.utils import is_autoscaler_v2
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    if is_autoscaler_v2():
-        return True
-    raw = _internal_kv_get("__autoscaling_status")
-    if not raw:
-        return False
-    mapping = json.loads(raw).get("autoscaler_report", {}).get("node_type_mapping") or {}
-    return any(kind != f"node_{node}" for node, kind in mapping.items())
 
 
 def check_placeable(bundles: list[dict], strategy: str, autoscale: bool | None, groups: int = 1) -> None:

@@ -19,8 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import ConfigurationError, PlacementError, RankFailedError
-from .actor import RankInfo, RankLoader, forget_rank
+from .actor import RANK_METHODS, RankInfo, RankLoader
 from .bundles import describe_resources
+from .ray_internals import forget_rank
 
 
 @dataclass
@@ -53,26 +54,13 @@ class RankGroup:
         the load: examples/autoscaling_experiment.py times each phase this way).
         """
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, RankLoader)):
             raise ConfigurationError(f"actor_cls must be raylazy.cluster.actor.RankLoader or a subclass of it, got {actor_cls!r}")
         name = f"raylazy-{uuid.uuid4().hex[:8]}"
         size = len(bundles) // groups
-        names = [name] if groups == 1 else [f"{name}-stage{g}" for g in range(groups)]
-        pgs = []
-        try:
-            for g, pg_name in enumerate(names):
-                pgs.append(placement_group(bundles[g * size : (g + 1) * size], strategy=strategy, name=pg_name))
-        except BaseException:  # a KeyboardInterrupt can land once a group exists but before it is returned
-            for pg_name in names[len(pgs):]:
-                try:
-                    pgs.append(ray.util.get_placement_group(pg_name))
-                except Exception:  # noqa: BLE001  (it was not created)
-                    pass
-            _remove(pgs)
-            raise
+        pgs = _placement_groups(name, bundles, strategy, groups)
         # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
         remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
         create = (
@@ -189,8 +177,12 @@ class RankGroup:
                         ray.kill(a, no_restart=True)
                     else:
                         dropping.append(a.release.remote())
-                    forget_rank(a._actor_id.hex())
                 except Exception:  # noqa: BLE001  (already dead)
+                    pass
+            for info in self.ranks if self.owned else ():  # the caller's actors forget theirs in release()
+                try:
+                    forget_rank(info.actor_id)
+                except Exception:  # noqa: BLE001  (Ray is shutting down: its KV goes with it)
                     pass
             if dropping:  # the caller's actors may run calls concurrently: released means their shards are dropped
                 ray.wait(dropping, num_returns=len(dropping), timeout=RELEASE_WAIT_S)
@@ -199,11 +191,6 @@ class RankGroup:
 
 #: How long `release` waits for the caller's actors to drop their shards (a dead or stuck one is not waited for).
 RELEASE_WAIT_S = 30.0
-
-#: The methods raylazy calls on a rank actor (`raylazy.RankMixin` has them all).
-RANK_METHODS = ("rank_init", "info", "progress", "exchange_address", "load", "reload", "shards", "run", "release",
-                "forget_load")
-
 
 @contextmanager
 def _sigint_deferred():
@@ -220,6 +207,30 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if caught:
         raise KeyboardInterrupt
+
+
+def _placement_groups(name: str, bundles: list[dict], strategy: str, groups: int) -> list:
+    """`groups` placement groups of consecutive bundles under `strategy`, named from `name`; none is left behind
+    when creating them is interrupted (a KeyboardInterrupt can land once a group exists but before it is
+    returned: it is found by name and removed)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    size = len(bundles) // groups
+    names = [name] if groups == 1 else [f"{name}-stage{g}" for g in range(groups)]
+    pgs = []
+    try:
+        for g, pg_name in enumerate(names):
+            pgs.append(placement_group(bundles[g * size : (g + 1) * size], strategy=strategy, name=pg_name))
+    except BaseException:
+        for pg_name in names[len(pgs):]:
+            try:
+                pgs.append(ray.util.get_placement_group(pg_name))
+            except Exception:  # noqa: BLE001  (it was not created)
+                pass
+        _remove(pgs)
+        raise
+    return pgs
 
 
 def _remove(pgs: list) -> None:

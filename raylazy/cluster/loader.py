@@ -162,72 +162,37 @@ class LoadedModel:
 
 
 def load(
-    model_dir: str | os.PathLike | None = None,
-    tp: int | None = None,
-    *,
-    pp: int | None = None,
-    expert_parallel: bool = False,
-    pp_layers: list[int] | None = None,
-    replicas: int = 1,
-    source: LoadedModel | None = None,
-    mesh: Mesh | None = None,
-    rules: RulesLike | None = None,
-    device: str = "auto",
-    backend: str = "auto",
-    actor_cls: type = RankLoader,
-    actors: list | None = None,
+    model_dir: str | os.PathLike | None = None, tp: int | None = None, *, pp: int | None = None,
+    expert_parallel: bool = False, pp_layers: list[int] | None = None, replicas: int = 1,
+    source: LoadedModel | None = None, mesh: Mesh | None = None, rules: RulesLike | None = None,
+    device: str = "auto", backend: str = "auto", actor_cls: type = RankLoader, actors: list | None = None,
     **options: Any,
 ) -> LoadedModel:
-    """Load `model_dir` (a directory, or a model id in the local Hugging Face cache) for tensor parallelism `tp`
-    (default 1) and `pp` pipeline stages (default 1; or a `mesh`): each rank's actor reads only its byte ranges
-    onto its device. Ranks are stage-major (`LoadedModel.mesh`); a stage holds its layers only (vLLM's split, or
-    `pp_layers` per stage), and its tp ranks are packed on one node when a node can hold them. expert_parallel:
-    routed MoE experts go whole to the tp ranks of their stage.
+    """Load `model_dir` (a directory, URI, or model id in the local Hugging Face cache) over `tp` x `pp` ranks (or a
+    `mesh`), one Ray actor per rank reading only its byte ranges onto its device (docs/loading.md).
 
-    rules: sharding rules before the preset (see `raylazy.core.rules`). device: "auto" (the GPU Ray gives the
-    rank, else the CPU), "cpu" or "cuda". backend: "auto" (ranks sharing a node read cooperatively: through the
-    page cache on CPUs, "cooperative"; stripes exchanged over NCCL on GPUs, "exchange"; a rank alone on its node
-    reads "ranged"), or one of those, or "fastsafetensors". actor_cls: the rank actor's class, `RankLoader` or
-    a subclass. actors: instead, the caller's Ray actors (one per rank, rank r = actors[r]) whose class mixes in
-    `raylazy.RankMixin`: no placement group of raylazy's own (their placement is the caller's) and `release()`
-    only drops their shards (the placement options are then unused).
-
-    replicas: copies of the tp group (`mesh[g].replica`); replica 0's ranks read from storage, the others copy
-    their shards from them (`raylazy.cluster.replicas`). source: a live LoadedModel to copy every shard from (rank by rank,
-    same stage and tp rank) with no storage access; model_dir, tp, mesh and rules then come from its plan. A
-    rank whose copy fails reads from storage instead; when that fails too, a PeerFailedError.
-
-    Options (validated before anything starts, see `raylazy.core.options`; a ConfigurationError otherwise): preset,
-    uneven, max_gap (PlanOptions); queue_size, threads, chunk_bytes, stripe_bytes, stripe_timeout_s,
-    staging_budget (also the batch of a peer copy), nogds (ReaderOptions); use_gpu, cpus_per_rank, placement_strategy,
-    autoscale, placement_timeout_s, max_retries (PlacementOptions); timeout_s, transport, peer_transport, progress.
-    Uses the Ray this process has initialised, else the cluster RAY_ADDRESS names, else starts a local one.
+    Ranks are stage-major (`LoadedModel.mesh`); a stage holds its layers only (vLLM's split, or `pp_layers`), its
+    tp ranks packed on one node when a node holds them; `expert_parallel`: routed experts whole to the tp ranks of
+    their stage. `rules` go before the preset. `device`: "auto" (the rank's GPU, else the CPU), "cpu", "cuda".
+    `backend`: "auto" (cooperative on CPUs, exchange on GPUs for ranks sharing a node; ranged alone), "ranged",
+    "cooperative", "exchange" or "fastsafetensors". `actor_cls`: `RankLoader` or a subclass; or `actors`: the
+    caller's actors (one per rank, a `raylazy.RankMixin` each), placed by the caller and only emptied on release.
+    `replicas`: copies of the grid; replica 0 reads storage, the others copy from it. `source`: a live
+    LoadedModel every rank copies from, reading no storage. Options (`raylazy.core.options`, checked before
+    anything starts: a ConfigurationError names a bad one) are PlanOptions', ReaderOptions', PlacementOptions'
+    and LoadOptions' fields. Uses the Ray this process initialised, else RAY_ADDRESS's, else starts a local one.
     """
     tp, pp, mesh = _replicated(model_dir, tp, pp, mesh, rules, replicas, source)
     opts = load_options(tp=tp, pp=pp, expert_parallel=expert_parallel, pp_layers=pp_layers, mesh=mesh,
                         device=device, backend=backend, **options)
-    place, mesh = opts.placement, opts.plan.mesh
     own_ray = ensure_ray()
     t0 = time.perf_counter()
-    if actors is not None:
-        if actor_cls is not RankLoader:
-            raise ConfigurationError("give actors= (your own rank actors) or actor_cls= (the class raylazy starts), "
-                                     "not both")
-        if len(actors) != mesh.size:
-            raise ConfigurationError(f"actors= gives {len(actors)} actor(s) for {mesh.size} rank(s): "
-                                     "give one per rank")
-        group = RankGroup.adopt(actors, place.device, opts.timeout_s)
-    else:
-        bundles = rank_bundles(mesh.size, place, own_ray)
-        groups = mesh.size // mesh.tp if mesh.pp > 1 else 1  # with stages, a placement group per stage (of each replica)
-        strategy = stage_strategy(bundles, place, groups)
-        check_placeable(bundles, strategy, place.autoscale, groups)
-        group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
+    group = _start_group(opts, own_ray, actor_cls, actors)
     try:
         plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
                 else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
         check_backend(opts.reader.backend, plan.ranks)
-        group.wait_ready(place.placement_timeout_s, opts.timeout_s)
+        group.wait_ready(opts.placement.placement_timeout_s, opts.timeout_s)
         plan, stats = _fill(group, plan, opts, source, "load")
     except BaseException:
         group.release()
@@ -235,6 +200,26 @@ def load(
     loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0, rules=rules)
     log.info("%s", loaded.summary())
     return loaded
+
+
+def _start_group(opts: LoadOptions, own_ray: bool, actor_cls: type, actors: list | None) -> RankGroup:
+    """The caller's `actors` made ranks, else a new group: one bundle per rank (a placement group per pipeline
+    stage of each replica), checked against the cluster first, its `actor_cls` actors starting (importing torch)
+    while the driver plans."""
+    place, mesh = opts.placement, opts.plan.mesh
+    if actors is not None:
+        if actor_cls is not RankLoader:
+            raise ConfigurationError("give actors= (your own rank actors) or actor_cls= (the class raylazy starts), "
+                                     "not both")
+        if len(actors) != mesh.size:
+            raise ConfigurationError(f"actors= gives {len(actors)} actor(s) for {mesh.size} rank(s): "
+                                     "give one per rank")
+        return RankGroup.adopt(actors, place.device, opts.timeout_s)
+    bundles = rank_bundles(mesh.size, place, own_ray)
+    groups = mesh.size // mesh.tp if mesh.pp > 1 else 1
+    strategy = stage_strategy(bundles, place, groups)
+    check_placeable(bundles, strategy, place.autoscale, groups)
+    return RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
 
 
 def _fill(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,

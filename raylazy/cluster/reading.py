@@ -28,7 +28,7 @@ def read_ranks(group: RankGroup, plan: Plan, opts: LoadOptions, method: str) -> 
     calls = [getattr(a, method).remote(rp, reader, task)
              for a, rp, reader, task in zip(group.actors, plan.ranks, readers, tasks)]
     try:
-        return plan, wait_with_progress(group, calls, plan, opts)
+        return plan, wait_with_progress(group, calls, plan, opts, method)
     except BaseException:
         if opts.reader.stripe_readers:  # only stripe readers keep a ready map
             _forget_ready_maps(group, tasks)
@@ -74,14 +74,15 @@ def node_tasks(group: RankGroup, plan: Plan, readers: list, timeout_s: float) ->
     return tasks
 
 
-def wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOptions) -> list[ReadStats]:
-    """Gather the ranks' reads (`group.gather`), with a progress bar of the bytes they report when asked for
-    (`opts.progress`; default: when stderr is a terminal)."""
+def wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOptions, what: str) -> list[ReadStats]:
+    """Gather the ranks' reads (`group.gather`; a failure is one RankFailedError saying `what` failed: "load" or
+    "reload"), with a progress bar of the bytes they report when asked for (`opts.progress`; default: when
+    stderr is a terminal)."""
     import ray
 
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     if not show:
-        return group.gather(loads, opts.timeout_s, "load")
+        return group.gather(loads, opts.timeout_s, what)
     from tqdm import tqdm
 
     total = sum(r.stats.bytes_needed for r in plan.ranks)
@@ -96,5 +97,5 @@ def wait_with_progress(group: RankGroup, loads: list, plan: Plan, opts: LoadOpti
             bar.update(done - bar.n)  # the ranks' own count, also after the last load: the bar is never forced full
             if len(ready) == len(loads):
                 break
-        stats = group.gather(loads, max(0.0, opts.timeout_s - (time.monotonic() - start)), "load")
+        stats = group.gather(loads, max(0.0, opts.timeout_s - (time.monotonic() - start)), what)
     return stats

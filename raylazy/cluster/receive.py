@@ -70,7 +70,7 @@ def receive_shards(source, plan: RankPlan, device: str, batch_bytes: int, transp
             got = call.get(pending) if group is not None else ray.get(pending)
             pending = call.remote([t.name for t in todo[i + 1]]) if i + 1 < len(todo) else None
             for t in batch:
-                _copy(buffers[t.name], got.get(t.name), t, plan.rank)
+                _copy_shard(buffers[t.name], got.get(t.name), t, plan.rank)
                 counter.add(t.nbytes)
             del got
     except PeerFailedError:
@@ -106,7 +106,7 @@ class _Landing:
         return self.landed.pop(key)
 
 
-def _copy(dst, src, t: TensorShard, rank: int) -> None:
+def _copy_shard(dst, src, t: TensorShard, rank: int) -> None:
     if src is None or src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
         got = "nothing" if src is None else f"{src.dtype} {list(src.shape)}"
         raise PeerFailedError(f"rank {rank}: its source sent {got} for tensor {t.name!r}, planned as {dst.dtype} "

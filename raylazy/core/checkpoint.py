@@ -54,7 +54,12 @@ class ModelConfig:
         values = {"model_type": raw.get("model_type")}
         if values["model_type"] is not None and not isinstance(values["model_type"], str):
             raise ModelConfigError(f"{source}: model_type must be a string, got {values['model_type']!r}")
-        aliases = {"num_experts": ("num_local_experts", "num_experts", "n_routed_experts")}
+        aliases = {  # other names config.json uses for them (transformers' attribute_map of the config class)
+            "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
+            "num_attention_heads": ("num_attention_heads", "n_head"),
+            "hidden_size": ("hidden_size", "n_embd"),
+            "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        }
         tied = raw.get("tie_word_embeddings")
         if tied is not None and type(tied) is not bool:
             raise ModelConfigError(f"{source}: tie_word_embeddings must be true or false, got {tied!r}")

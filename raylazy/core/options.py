@@ -83,7 +83,8 @@ class ReaderOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    #: "auto": cooperative for CPU ranks that share a node with other ranks (local files), else ranged.
+    #: "auto": for ranks that share a node, cooperative on CPUs and exchange on GPUs (and for objects, which have no
+    #: page cache to share); ranged for a rank alone on its node (`raylazy.io.backends.backend_for`).
     backend: Literal["auto", "ranged", "cooperative", "exchange", "fastsafetensors"] = "auto"
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
@@ -123,7 +124,7 @@ class PlacementOptions(BaseModel):
     #: Reserve one GPU per rank: None = when the cluster has GPUs.
     use_gpu: bool | None = None
     #: CPUs reserved per rank: None = 1, or on a local Ray that raylazy started, an equal share of its CPUs
-    #: (min(1, CPUs / tp)), so any tp loads on any machine.
+    #: (min(1, CPUs / ranks), ranks being tp x pp x replicas), so any mesh loads on any machine.
     cpus_per_rank: float | None = Field(None, ge=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     #: Whether an autoscaler may add nodes for a request the cluster cannot place now: None = detect it.

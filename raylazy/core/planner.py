@@ -141,7 +141,8 @@ def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: 
         raise type(e)(f"{ckpt.root}: {e}") from None
     drop = set() if opts.keep_mtp else _mtp_names(cfg, by_name)
     kept = [n for n in by_name if n not in drop] if drop else list(by_name)
-    chosen = match(rules, dict.fromkeys([layout[n].weight if n in layout else n for n in kept] if layout else kept))
+    chosen = match(rules, dict.fromkeys([layout[n].weight if n in layout else n for n in kept] if layout else kept),
+                   cfg.model_type)
     shared: dict[tuple[int, int], Placed] = {}  # (rule, companion layout) -> how its tensors are placed
     placed, skipped = {}, set(drop)
     for name in kept:

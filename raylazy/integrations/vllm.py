@@ -21,16 +21,14 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..core.checkpoint import Checkpoint
-from ..core.plans import FileRef, RankPlan, format_bytes
+from ..core.plans import FileRef, format_bytes
 from ..storage import open_checkpoint
-from .lazy import LazyStats, Recording, Region, Serving, lazy_options, lazy_weights
+from .lazy import LazyStats, Recording, Serving, lazy_options, lazy_weights
 
 logger = init_logger("vllm.raylazy")
 
 #: The load format's name.
 LOAD_FORMAT = "raylazy"
-#: Test hook: the rank (global, as a decimal) this names is served each region's neighbour, another rank's bytes.
-PEER_BYTES_ENV = "RAYLAZY_VLLM_TEST_PEER_BYTES"
 
 
 def register() -> None:
@@ -58,13 +56,17 @@ class RaylazyModelLoader(BaseModelLoader):
         model.load_weights(lazy_weights(ckpt, recording))
         files = tuple(map(FileRef.of, ckpt.files))
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        serving_cls = _PeerServing if os.environ.get(PEER_BYTES_ENV) == str(rank) else Serving
-        with serving_cls(recording, files, self.options) as serving:
+        with self.serving(recording, files) as serving:
             loaded = model.load_weights(lazy_weights(ckpt, serving))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info(_summary(rank, serving.stats, ckpt, params, self.options.backend, time.perf_counter() - t0))
-        if model_config.quantization is None and loaded is not None:  # as vLLM's default loader checks
-            DefaultModelLoader.track_weights_loading(self, model, loaded)
+        if model_config.quantization is None and loaded is not None:
+            # the check vLLM's default loader makes: every parameter was loaded from the checkpoint
+            DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded)
+
+    def serving(self, recording: Recording, files: tuple[FileRef, ...]) -> Serving:
+        """What serves the second run's regions: raylazy's reader, in batches (`raylazy.integrations.lazy`)."""
+        return Serving(recording, files, self.options)
 
 
 def _checkpoint(model_config: ModelConfig) -> Checkpoint:
@@ -88,20 +90,3 @@ def _summary(rank: int, s: LazyStats, ckpt: Checkpoint, params: int, backend: st
         f"opaque_bytes={s.opaque_bytes} whole_opaque={s.whole_opaque} unplanned_regions={s.unplanned_regions} "
         f"unplanned_bytes={s.unplanned_bytes}]"
     )
-
-
-def _neighbour(region: Region) -> Region:
-    """The same box one box further along its first narrowed dim (wrapping): what the next rank would take."""
-    if not region.cut_dims:
-        return region
-    d = region.cut_dims[0]
-    start = (region.starts[d] + region.sizes[d]) % region.tensor.shape[d]
-    start = min(start, region.tensor.shape[d] - region.sizes[d])
-    return Region(region.file, region.tensor, region.starts[:d] + (start,) + region.starts[d + 1 :], region.sizes)
-
-
-class _PeerServing(Serving):
-    """The test hook of PEER_BYTES_ENV: reads each region's neighbour in its place (a rank fed another's bytes)."""
-
-    def _plan(self, regions: list[Region]) -> RankPlan:
-        return super()._plan([_neighbour(r) for r in regions])

@@ -103,9 +103,9 @@ def _register_builtin() -> None:
     from .cooperative import read_rank_cooperative
     from .exchange import read_rank_exchanged
     from .fst import check_fastsafetensors, read_rank_fastsafetensors
-    from .ranged import read_rank as read_ranged
+    from .ranged import read_rank_ranged
 
-    register_backend(Backend("ranged", read_ranged))
+    register_backend(Backend("ranged", read_rank_ranged))
     register_backend(Backend("cooperative", read_rank_cooperative))
     register_backend(Backend("exchange", read_rank_exchanged))
     register_backend(Backend("fastsafetensors", read_rank_fastsafetensors, check_fastsafetensors))

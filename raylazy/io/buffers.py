@@ -25,6 +25,16 @@ def typed(flat, shard: TensorShard):
     return flat.view(dtype).reshape(shape)
 
 
+def plan_files(plan: RankPlan) -> list[int]:
+    """The plan file indices the rank reads from, in order."""
+    return sorted({r.file for t in plan.tensors for r in t.reads})
+
+
+def shards_of(plan: RankPlan, buffers: list[tuple[object, object]]) -> dict:
+    """A reader's result: {name: tensor} of the rank's shards, from the `shard_buffers` it filled."""
+    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}
+
+
 def shard_buffers(torch, plan: RankPlan, dev, out: Mapping | None) -> list[tuple[object, object]]:
     """Per shard of `plan`: (its bytes as a flat uint8 tensor to fill, the tensor to return).
 

@@ -3,8 +3,10 @@ CPU tensors, NCCL for CUDA tensors), never the default group, so the application
 `torch.distributed.init_process_group` in the same processes.
 
 The ranks of a node meet at one address, `host:port`: local rank 0 serves the rendezvous (a TCPStore) there,
-the others connect to it. `node_address(host)` picks one (the host's free port), so the driver asks one rank
-of each node for it and passes it to all of that node's ranks (see `RankLoader.exchange_address`).
+the others connect to it. The driver asks the node's local rank 0 to `serve_rendezvous` (the server binds a port
+the OS picks, so nothing can take it before the load starts) and passes the address to all of that node's ranks
+(see `RankMixin.exchange_address`); the Exchange that rank then makes there uses that server. Where no rank
+serves it ahead (`node_address`: a free port picked now), local rank 0's Exchange starts the server itself.
 
 Every rank calls `all_to_all` the same number of times, in the same order: each call moves, from every rank
 to every rank, a segment of the caller's `send` tensor (sizes `send_sizes`, in local-rank order) into its
@@ -18,7 +20,7 @@ import socket
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import ConfigurationError, PeerFailedError
+from ..errors import ConfigurationError, PeerFailedError, first_line
 
 #: Exchange backends and the device type each moves.
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -36,7 +38,24 @@ def node_address(host: str) -> str:
     return f"{host}:{free_port(host)}"
 
 
-def backend_for(device: str) -> str:
+#: Rendezvous servers this process started (`serve_rendezvous`) that no Exchange has taken yet, by address.
+_SERVED: dict[str, object] = {}
+
+
+def serve_rendezvous(host: str) -> str:
+    """Start serving a node's rendezvous in this process on a port the OS picks as it binds it, and return the
+    address (`host:port`); the Exchange this process makes at that address, as local rank 0, uses the server. A
+    rank takes part in one load at a time: servers started for earlier loads that never began are closed."""
+    import torch.distributed as dist
+
+    _SERVED.clear()
+    store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
+    address = f"{host}:{store.port}"
+    _SERVED[address] = store
+    return address
+
+
+def collective_backend(device: str) -> str:
     """The exchange backend that moves tensors on `device`: gloo on the CPU, NCCL on CUDA."""
     for backend, kind in BACKEND_DEVICE.items():
         if device.split(":")[0] == kind:
@@ -69,13 +88,19 @@ class Exchange:
         self.device = device or BACKEND_DEVICE[backend]
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+            self._store = _SERVED.pop(address, None) if rank == 0 else None
+            if self._store is None:
+                self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+            self._store.set_timeout(timeout)
             if backend == "gloo":
                 self._pg = dist.ProcessGroupGloo(self._store, rank, size, timeout)
             else:
                 import torch
 
                 torch.cuda.set_device(torch.device(self.device))
+                # ProcessGroupNCCL takes its timeout only through Options._timeout (gloo's constructor takes one):
+                # torch.distributed sets the same attribute in its own _new_process_group_helper, and a group of
+                # our own (not init_process_group's default group) has no public road to it.
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self._pg = dist.ProcessGroupNCCL(self._store, rank, size, opts)
@@ -95,7 +120,7 @@ class Exchange:
         except RuntimeError as e:
             raise PeerFailedError(
                 f"exchange{' of ' + what if what else ''}: local rank {self.rank} of {self.size} ({self.backend} at "
-                f"{self.address}) failed: {str(e).splitlines()[0]}; another rank of the node failed (its own error "
+                f"{self.address}) failed: {first_line(e)}; another rank of the node failed (its own error "
                 f"says why) or did not answer within {self.timeout_s:g} s") from None
 
     def close(self, ok: bool = True) -> None:
@@ -116,7 +141,7 @@ class Exchange:
                 except RuntimeError as e:
                     raise PeerFailedError(
                         f"exchange: local rank {self.rank} of {self.size} finished, but the node's other ranks did "
-                        f"not ({str(e).splitlines()[0]}); another rank failed (its own error says why)") from None
+                        f"not ({first_line(e)}); another rank failed (its own error says why)") from None
         finally:
             pg.shutdown() if done else pg.abort()
             self._store = None

@@ -48,15 +48,16 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, RankPlan
 from ..core.schedule import NodeTask, rank_keeps
 from ..errors import ConfigurationError, ReadError
-from ..storage import LocalSource, Source, open_planned
-from .buffers import shard_buffers
+from ..storage import LocalSource, Source, open_planned_files, reading
+from .buffers import shard_buffers, shards_of
 from .stats import Counter, Progress, ReadStats
 
 PENDING, READY, FAILED = 0, 1, 2
@@ -80,7 +81,7 @@ def read_rank_cooperative(
     """Read `plan`'s shards together with the other ranks of `node.schedule`; returns ({name: tensor}, stats).
 
     Every rank of the node must run this with the same `node` at about the same time (each reads stripes the
-    others keep). `out` as for `raylazy.io.ranged.read_rank`. Raises on any failure; no partial shard is returned.
+    others keep). `out` as for `raylazy.io.ranged.read_rank_ranged`. Raises on any failure; no partial shard is returned.
     """
     import torch
 
@@ -88,52 +89,23 @@ def read_rank_cooperative(
     sched = node.schedule
     if plan.rank not in sched.ranks:
         raise ConfigurationError(f"rank {plan.rank} is not one of node {sched.node}'s ranks {sched.ranks}")
-    stats = ReadStats(backend="cooperative", device=str(dev))
-    counter = Counter(on_progress)
-    t0 = time.perf_counter()
+    stats, counter, t0 = ReadStats(backend="cooperative", device=str(dev)), Counter(on_progress), time.perf_counter()
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
     threads = min(options.stripe_readers, len(mine))  # this rank's stripe readers (none: the kernel reads)
-    used = sorted({k.part.read.file for k in keeps} | ({sched.stripes[i].file for i in mine} if threads else set()))
-    sources: dict[int, Source] = {}
-    # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
-    ready = ReadyMap(node.load_id, sched) if options.stripe_readers else None
+    files = {k.part.read.file for k in keeps} | ({sched.stripes[i].file for i in mine} if threads else set())
     size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
-    try:
-        try:
-            for f in used:
-                sources[f] = _open_local(plan, f)
-            stop = threading.Event()
-            pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") if threads else None
-            try:
-                todo = iter(mine)
-                pending = [pool.submit(_read_stripes, plan, sched, todo, sources, ready, size, stop)
-                           for _ in range(threads)]
-                # The node's ranks share its cores: torch's intra-op threads would only oversubscribe them
-                # (measured, tp=4 on 2 cores, cold: 2.9 s with 2 threads per rank, 1.5 s with 1).
-                intra_op = torch.get_num_threads()
-                torch.set_num_threads(1)
-                try:
-                    _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, pending,
-                          options.stripe_timeout_s)
-                finally:
-                    torch.set_num_threads(intra_op)
-                for f in pending:
-                    f.result()
-            finally:
-                stop.set()  # on failure the reader threads stop after their current stripe
-                if pool is not None:
-                    pool.shutdown()
-        except BaseException:
-            if ready is not None:
-                ready.fail(mine)  # peers waiting for this rank's stripes fail at once instead of timing out
-            raise
-    finally:
-        for source in sources.values():
-            source.close()
-        if ready is not None:
-            ready.done()
+    with ExitStack() as stack:
+        # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
+        ready = stack.enter_context(_ready_map(node.load_id, sched, mine)) if options.stripe_readers else None
+        sources = stack.enter_context(open_planned_files(plan, sorted(files)))
+        _check_local(plan, sources)
+        readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
+        with _one_intra_op_thread(torch):
+            _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, readers, options.stripe_timeout_s)
+        for f in readers:
+            f.result()
     stats.bytes_needed = counter.value
     # the rank's share of its node's union as scheduled (the node reads the union once: its readers, or the
     # kernel on the copies' page faults when there are none, whose requests are not the rank's own)
@@ -143,30 +115,64 @@ def read_rank_cooperative(
     stats.staging_buffers = threads if not _POPULATE else 0  # populating the page cache stages nothing
     stats.staging_bytes = stats.staging_buffers * size
     stats.seconds = time.perf_counter() - t0
-    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
+    return shards_of(plan, buffers), stats
 
 
-def _open_local(plan: RankPlan, f: int) -> LocalSource:
-    source = open_planned(plan, f)
-    if not isinstance(source, LocalSource):
-        source.close()
-        raise ConfigurationError(f"{plan.files[f].uri}: cooperative reads map local files only: use backend='ranged'")
-    return source
+def _check_local(plan: RankPlan, sources: dict[int, Source]) -> None:
+    """Only local files can be mapped (the driver reads other storages through the exchange)."""
+    for f, source in sources.items():
+        if not isinstance(source, LocalSource):
+            raise ConfigurationError(f"{plan.files[f].uri}: cooperative reads map local files only: use "
+                                     "backend='ranged'")
+
+
+@contextmanager
+def _ready_map(load_id: str, sched: NodeSchedule, mine: tuple[int, ...]) -> Iterator[ReadyMap]:
+    """The node's ready map for this rank's read: on a failure the rank's stripes not yet ready are marked failed
+    (its peers waiting for them fail at once instead of timing out); counted done either way."""
+    ready = ReadyMap(load_id, sched)
+    try:
+        yield ready
+    except BaseException:
+        ready.fail(mine)
+        raise
+    finally:
+        ready.done()
+
+
+@contextmanager
+def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], threads: int, sources: dict,
+                    ready: ReadyMap | None, size: int) -> Iterator[list]:
+    """`threads` threads reading this rank's stripes (`_read_stripes`); yields their futures (none without
+    threads); on leaving, they stop after their current stripe."""
+    if not threads:
+        yield []
+        return
+    stop, todo = threading.Event(), iter(mine)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
+        try:
+            yield [pool.submit(_read_stripes, plan, sched, todo, sources, ready, size, stop) for _ in range(threads)]
+        finally:
+            stop.set()
+
+
+@contextmanager
+def _one_intra_op_thread(torch) -> Iterator[None]:
+    """torch's intra-op threads at one while the copies run: the node's ranks share its cores, and more threads
+    only oversubscribe them (measured, tp=4 on 2 cores, cold: 2.9 s with 2 threads per rank, 1.5 s with 1)."""
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(intra_op)
 
 
 def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, ready: ReadyMap, size: int,
                   stop: threading.Event) -> None:
     """One reader thread: take the next of this rank's stripes (shared iterator), bring it whole into the page
-    cache, mark it ready; repeat until none is left or `stop` is set.
-
-    A stripe is populated through a read-only mapping (MADV_POPULATE_READ, called through ctypes so the GIL
-    is released while the kernel reads: the kernel reads it in large requests and nothing is copied to user
-    space; measured here on 1.98 GB, 4 processes: 0.7 s and 0.23 CPU s against 1.1 s and 0.8 CPU s reading
-    into a buffer); where the kernel lacks it (before Linux 5.14), the stripe is read into a scratch buffer
-    of `size` bytes."""
-    import numpy as np
-
-    global _POPULATE
+    cache (`_populate`, else a read into a scratch buffer of `size` bytes), mark it ready; repeat until none is
+    left or `stop` is set."""
     view = None
     # file -> (mapping, its address): a shared read-only mapping of the reader's own; populating through the
     # keeper's private mapping instead was slower (tp=4, 1.98 GB, cold: 1.42-1.47 s against 1.12-1.22 s)
@@ -177,34 +183,41 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
                 return
             s = sched.stripes[i]
             source = sources[s.file]
-            try:
-                if _POPULATE:
-                    try:
-                        if s.file not in maps:
-                            mm = mmap.mmap(source.fd, 0, access=mmap.ACCESS_READ)
-                            addr = np.frombuffer(mm, dtype=np.uint8).ctypes.data  # the array is dropped at once
-                            maps[s.file] = (mm, addr)
-                        if _libc.madvise(maps[s.file][1] + s.start, s.end - s.start, _POPULATE):  # page-aligned
-                            err = ctypes.get_errno()
-                            raise OSError(err, os.strerror(err))
-                        ready.mark(i)
-                        continue
-                    except OSError as e:
-                        if e.errno != errno.EINVAL:
-                            raise
-                        _POPULATE = 0  # not supported here: read into a scratch buffer
-                view = view or memoryview(bytearray(size))
-                source.readinto(s.start, [view[: s.end - s.start]])
-            except OSError as e:
-                raise ReadError(f"{source.uri}: rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end}): "
-                                f"{e.strerror or e}") from None
-            except EOFError as e:
-                raise ReadError(f"{source.uri}: file ended early in stripe {i} (bytes {s.start}-{s.end}): {e}; it "
-                                "was truncated since planning") from None
+            with reading(source.uri, f"rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end})"):
+                if not _populate(source, s, maps):
+                    view = view or memoryview(bytearray(size))
+                    source.readinto(s.start, [view[: s.end - s.start]])
             ready.mark(i)
     finally:
         for mm, _ in maps.values():
             mm.close()
+
+
+def _populate(source: LocalSource, s, maps: dict[int, tuple[mmap.mmap, int]]) -> bool:
+    """Bring stripe `s` into the page cache through a read-only mapping of its file (kept in `maps`); False where
+    the kernel cannot (before Linux 5.14), and from then on in this process.
+
+    MADV_POPULATE_READ, called through ctypes so the GIL is released while the kernel reads: the kernel reads
+    the stripe in large requests and nothing is copied to user space (measured here on 1.98 GB, 4 processes:
+    0.7 s and 0.23 CPU s against 1.1 s and 0.8 CPU s reading into a buffer)."""
+    import numpy as np
+
+    global _POPULATE
+    if not _POPULATE:
+        return False
+    try:
+        if s.file not in maps:
+            mm = mmap.mmap(source.fd, 0, access=mmap.ACCESS_READ)
+            maps[s.file] = (mm, np.frombuffer(mm, dtype=np.uint8).ctypes.data)  # the array is dropped at once
+        if _libc.madvise(maps[s.file][1] + s.start, s.end - s.start, _POPULATE):  # page-aligned
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _POPULATE = 0  # not supported here: read into a scratch buffer
+        return False
 
 
 def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: ReadyMap | None, buffers,
@@ -216,7 +229,7 @@ def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, read
     maps = {f: _mapped(torch, s) for f, s in sources.items()}
     if ready is None:  # the copies' page faults read the pages, each once for the node (the page cache)
         for k in keeps:
-            _copy(buffers[k.tensor][0], maps[k.part.read.file], k.part)
+            _copy_keep(buffers[k.tensor][0], maps[k.part.read.file], k.part)
             counter.add(k.part.bytes_needed)
         return
     by_stripe: dict[int, list] = {}
@@ -247,7 +260,7 @@ def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, read
             continue
         for i in now_ready.tolist():
             for k in by_stripe[i]:
-                _copy(buffers[k.tensor][0], maps[k.part.read.file], k.part)
+                _copy_keep(buffers[k.tensor][0], maps[k.part.read.file], k.part)
                 counter.add(k.part.bytes_needed)
         waiting = waiting[state != READY]
         deadline, pause = time.monotonic() + timeout_s, 0.0005
@@ -261,7 +274,7 @@ def _mapped(torch, source: LocalSource):
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
-def _copy(flat, src, part) -> None:
+def _copy_keep(flat, src, part) -> None:
     """Copy one keep: bytes [first, first + n) of a contiguous read, or rows [first, first + n) of a strided one."""
     r, first, n = part
     if r.count == 1:

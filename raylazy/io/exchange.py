@@ -34,10 +34,10 @@ from typing import NamedTuple
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, Plan, RankPlan, Stripe
 from ..core.schedule import Keep, rank_keeps
-from ..errors import ConfigurationError, ReadError
-from ..storage import open_planned
-from .buffers import shard_buffers
-from .collective import Exchange, backend_for
+from ..errors import ConfigurationError
+from ..storage import open_planned_files, reading
+from .buffers import shard_buffers, shards_of
+from .collective import Exchange, collective_backend
 from .stats import Counter, Progress, ReadStats
 
 
@@ -56,7 +56,7 @@ class ExchangeTask:
         return cls(schedule, tuple(plan.ranks[r] for r in schedule.ranks), address)
 
 
-class Piece(NamedTuple):
+class KeptRows(NamedTuple):
     """Where one keep's bytes are: `rows` rows of `length` bytes at stripe byte `src` (row pitch `src_stride`),
     landing at shard byte `dst` (pitch `dst_stride`)."""
 
@@ -73,12 +73,12 @@ class Piece(NamedTuple):
         return self.rows * self.length
 
 
-def piece(keep: Keep, stripe: Stripe) -> Piece:
+def kept_rows(keep: Keep, stripe: Stripe) -> KeptRows:
     r, first, n = keep.part
     if r.count > 1:  # rows first .. first + n - 1 of a strided read
-        return Piece(keep.tensor, r.offset + first * r.stride - stripe.start, r.stride,
+        return KeptRows(keep.tensor, r.offset + first * r.stride - stripe.start, r.stride,
                      r.dst_offset + first * r.dst_stride, r.dst_stride, n, r.length)
-    return Piece(keep.tensor, r.offset + first - stripe.start, n, r.dst_offset + first, n, 1, n)
+    return KeptRows(keep.tensor, r.offset + first - stripe.start, n, r.dst_offset + first, n, 1, n)
 
 
 class NodeRounds:
@@ -95,10 +95,10 @@ class NodeRounds:
         self.own: list[list[int]] = [[] for _ in range(n)]
         for s, st in enumerate(sched.stripes):
             self.own[local[st.reader]].append(s)
-        self.pieces: list[list[list[Piece]]] = [[[] for _ in range(n)] for _ in sched.stripes]
+        self.pieces: list[list[list[KeptRows]]] = [[[] for _ in range(n)] for _ in sched.stripes]
         for rp in plans:
             for k in rank_keeps(rp, sched):
-                self.pieces[k.stripe][local[rp.rank]].append(piece(k, sched.stripes[k.stripe]))
+                self.pieces[k.stripe][local[rp.rank]].append(kept_rows(k, sched.stripes[k.stripe]))
         self.sizes = [[sum(p.nbytes for p in ps) for ps in per_rank] for per_rank in self.pieces]
         self.count = max((len(o) for o in self.own), default=0)
         #: Whether anyone sends anything in each round (else every rank skips its exchange).
@@ -155,7 +155,7 @@ def read_rank_exchanged(
     read stripes; staging stays within `staging_budget` bytes; a peer that does not answer for
     `stripe_timeout_s` fails the exchange. A failure on any rank fails every rank of the node
     (PeerFailedError on the others); no partial shard is returned. `out` as for the other readers
-    (`common.shard_buffers`).
+    (`raylazy.io.buffers.shard_buffers`).
     """
     import torch
 
@@ -164,63 +164,76 @@ def read_rank_exchanged(
         raise ConfigurationError(f"rank {plan.rank}: node {sched.node!r} has ranks {list(sched.ranks)} and plans for "
                                  f"{[p.rank for p in node.plans]}: give the node's plans in its ranks' order")
     dev = torch.device(device)
-    on_device = dev.type != "cpu"
-    stats = ReadStats(backend="exchange", device=str(dev))
-    counter = Counter(on_progress)
-    t0 = time.perf_counter()
+    stats, counter, t0 = ReadStats(backend="exchange", device=str(dev)), Counter(on_progress), time.perf_counter()
     rounds = NodeRounds(node.plans, sched)
     me = sched.ranks.index(plan.rank)
-    depth, size, _ = rounds.staging(me, options.staging_budget, on_device)
-    peak = 0  # the most bytes one round held beside the staging buffers (device copy, sends, receives)
+    depth, size, _ = rounds.staging(me, options.staging_budget, dev.type != "cpu")
     buffers = shard_buffers(torch, plan, dev, out)
-    flats = [flat for flat, _ in buffers]
-    sources = {}
-    try:
-        for f in sorted({sched.stripes[s].file for s in rounds.own[me]}):
-            sources[f] = open_planned(plan, f, options.storage_options)
-        with Exchange(backend_for(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)) as ex, \
-                _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size, on_device) as reader:
-            for t in range(rounds.count):
-                s = rounds.stripe(me, t)
-                data = event = None
-                held = 0
-                if s is not None:
-                    data = reader.next()
-                    stats.requests += 1
-                    stats.bytes_read += data.numel()
-                    if on_device:  # from the pinned buffer, which is refilled once this copy is done
-                        data = data.to(dev, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record()
-                        held = data.numel()
-                    counter.add(_place(rounds.pieces[s][me], data, flats))
-                if rounds.busy[t]:
-                    send_sizes, recv_sizes = rounds.sizes_of(me, t)
-                    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=dev)
-                    o = 0
-                    for l, pieces in enumerate(rounds.pieces[s] if s is not None else ()):
-                        o = o if l == me else _pack(pieces, data, send, o)
-                    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
-                    held += send.numel() + recv.numel()
-                    ex.all_to_all(recv, send, recv_sizes, send_sizes, what=f"round {t + 1} of {rounds.count}")
-                    o = 0
-                    for l, n in enumerate(recv_sizes):
-                        if n:
-                            counter.add(_place(rounds.pieces[rounds.stripe(l, t)][me], recv, flats, packed=o))
-                            o += n
-                    stats.bytes_received += o
-                if s is not None:
-                    reader.release(event)
-                peak = max(peak, held)
-            if on_device:
-                torch.cuda.synchronize(dev)
-    finally:
-        for source in sources.values():
-            source.close()
-    stats.staging_buffers, stats.staging_bytes = depth, depth * size + peak
+    steps = _RankRounds(torch, rounds, me, [flat for flat, _ in buffers], dev, stats, counter)
+    files = sorted({sched.stripes[s].file for s in rounds.own[me]})
+    group = collective_backend(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)
+    with open_planned_files(plan, files, options.storage_options) as sources, Exchange(*group) as ex, \
+            _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size,
+                          dev.type != "cpu") as reader:
+        for t in range(rounds.count):
+            steps.run(t, reader, ex)
+        if dev.type != "cpu":
+            torch.cuda.synchronize(dev)
+    stats.staging_buffers, stats.staging_bytes = depth, depth * size + steps.peak
     stats.bytes_needed = counter.value
     stats.seconds = time.perf_counter() - t0
-    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
+    return shards_of(plan, buffers), stats
+
+
+class _RankRounds:
+    """One rank's side of every round: read its stripe (and move it to the device), place its own keeps, pack and
+    send what the others keep, place what it receives. `peak`: the most bytes one round held beside the staging
+    buffers (the device copy, sends, receives)."""
+
+    def __init__(self, torch, rounds: NodeRounds, me: int, flats: list, dev, stats: ReadStats, counter: Counter):
+        self.torch, self.rounds, self.me, self.flats, self.dev = torch, rounds, me, flats, dev
+        self.stats, self.counter, self.peak = stats, counter, 0
+
+    def run(self, t: int, reader: _StripeReader, ex: Exchange) -> None:
+        s = self.rounds.stripe(self.me, t)
+        data, event, held = self._read_own(s, reader) if s is not None else (None, None, 0)
+        if self.rounds.busy[t]:
+            held += self._exchange(ex, t, s, data)
+        if s is not None:
+            reader.release(event)
+        self.peak = max(self.peak, held)
+
+    def _read_own(self, s: int, reader: _StripeReader) -> tuple:
+        """This rank's stripe `s` (on the device), its own keeps placed: (the stripe, its copy's event, bytes held)."""
+        data, event, held = reader.next(), None, 0
+        self.stats.requests += 1
+        self.stats.bytes_read += data.numel()
+        if self.dev.type != "cpu":  # from the pinned buffer, which is refilled once this copy is done
+            data = data.to(self.dev, non_blocking=True)
+            event = self.torch.cuda.Event()
+            event.record()
+            held = data.numel()
+        self.counter.add(_place(self.rounds.pieces[s][self.me], data, self.flats))
+        return data, event, held
+
+    def _exchange(self, ex: Exchange, t: int, s: int | None, data) -> int:
+        """Round t's all-to-all: what the others keep of this rank's stripe out, what it keeps of theirs in and
+        placed; returns the bytes of the send and receive buffers."""
+        torch, rounds, me = self.torch, self.rounds, self.me
+        send_sizes, recv_sizes = rounds.sizes_of(me, t)
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.dev)
+        o = 0
+        for l, pieces in enumerate(rounds.pieces[s] if s is not None else ()):
+            o = o if l == me else _pack(pieces, data, send, o)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.dev)
+        ex.all_to_all(recv, send, recv_sizes, send_sizes, what=f"round {t + 1} of {rounds.count}")
+        o = 0
+        for l, n in enumerate(recv_sizes):
+            if n:
+                self.counter.add(_place(rounds.pieces[rounds.stripe(l, t)][me], recv, self.flats, packed=o))
+                o += n
+        self.stats.bytes_received += o
+        return send.numel() + recv.numel()
 
 
 def _rows(flat, offset: int, stride: int, rows: int, length: int):
@@ -228,7 +241,7 @@ def _rows(flat, offset: int, stride: int, rows: int, length: int):
     return flat.as_strided((rows, length), (stride, 1), flat.storage_offset() + offset)
 
 
-def _pack(pieces: list[Piece], stripe, send, o: int) -> int:
+def _pack(pieces: list[KeptRows], stripe, send, o: int) -> int:
     """Copy `pieces` out of `stripe` into `send`, back to back from byte `o`; returns the end."""
     for p in pieces:
         _rows(send, o, p.length, p.rows, p.length).copy_(_rows(stripe, p.src, p.src_stride, p.rows, p.length))
@@ -236,7 +249,7 @@ def _pack(pieces: list[Piece], stripe, send, o: int) -> int:
     return o
 
 
-def _place(pieces: list[Piece], data, flats, packed: int | None = None) -> int:
+def _place(pieces: list[KeptRows], data, flats, packed: int | None = None) -> int:
     """Copy `pieces` into the shards `flats`: from their places in stripe `data`, or (`packed`) from `data`
     back to back from byte `packed`, as `_pack` left them. Returns the bytes placed."""
     o = packed
@@ -286,11 +299,6 @@ class _StripeReader:
         st = self.stripes[s]
         source = self.sources[st.file]
         n = min(st.end, source.size) - st.start
-        try:
+        with reading(source.uri, f"reading stripe {s} (bytes {st.start}-{st.start + n})"):
             source.readinto(st.start, [memoryview(buf.numpy()).cast("B")[:n]])
-        except OSError as e:
-            raise ReadError(f"{source.uri}: reading stripe {s} (bytes {st.start}-{st.start + n}): {e.strerror or e}") from None
-        except EOFError as e:
-            raise ReadError(f"{source.uri}: file ended early reading stripe {s} at byte {st.start}: {e}; it was "
-                            "truncated since planning") from None
         return buf[:n]

@@ -50,6 +50,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from functools import partial
 from math import prod
 
 from ..core.dtypes import DTYPE_BITS
@@ -57,8 +58,8 @@ from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, TensorShard
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
 from ..storage import local_path, open_verified
-from .buffers import shard_buffers
-from .stats import Progress, ReadStats
+from .buffers import plan_files, shard_buffers, shards_of
+from .stats import Counter, Progress, ReadStats
 
 log = logging.getLogger("raylazy")
 
@@ -94,48 +95,48 @@ def read_rank_fastsafetensors(
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats).
 
-    `out` ({name: tensor}) gives shards to fill in place, as for `raylazy.io.ranged.read_rank`."""
-    global _gds_broken
+    `out` ({name: tensor}) gives shards to fill in place, as for `raylazy.io.ranged.read_rank_ranged`."""
     import torch
 
     t0 = time.perf_counter()
     dev = torch.device(device)
     check_fastsafetensors(plan)
-    used = sorted({r.file for t in plan.tensors for r in t.reads})
-    paths = [local_path(plan.files[i].uri) for i in used]
+    used = plan_files(plan)
     buffers = shard_buffers(torch, plan, dev, out)
     data_bytes = [_verified_data_bytes(plan, i) for i in used]
-    gds = _want_gds(options.nogds, dev) and not _gds_broken
-    reported = [0]
+    counter = Counter(on_progress)
+    load = partial(_load, torch, plan, buffers, dev, [local_path(plan.files[i].uri) for i in used],
+                   queue_size=options.queue_size, on_progress=counter.add)
+    gds, fallback = _load_falling_back_to_nogds(load, plan.rank, _want_gds(options.nogds, dev), counter)
+    depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
+    runs = fst_runs(plan)
+    stats = ReadStats(
+        backend="fastsafetensors", device=str(dev), bytes_needed=counter.value,
+        bytes_read=sum(end - start for _, start, end in runs), requests=len(runs),
+        seconds=time.perf_counter() - t0, staging_bytes=sum(sorted(data_bytes, reverse=True)[:depth]),
+        staging_buffers=depth, gds=gds, gds_fallback=fallback,
+    )
+    return shards_of(plan, buffers), stats
 
-    def progress(n: int) -> None:
-        reported[0] += n
-        if on_progress is not None:
-            on_progress(n)
 
-    fallback = ""
+def _load_falling_back_to_nogds(load, rank: int, want_gds: bool, counter: Counter) -> tuple[bool, str]:
+    """`load(nogds=...)` with GDS when wanted (and not found broken in this process before); if GDS turns out
+    unusable, one warning, the attempt's progress taken back, and a load with nogds=True. Returns (GDS used,
+    why it was abandoned or "")."""
+    global _gds_broken
+    gds = want_gds and not _gds_broken
     try:
-        _load(torch, plan, buffers, dev, paths, nogds=not gds, queue_size=options.queue_size, on_progress=progress)
+        load(nogds=not gds)
+        return gds, ""
     except Exception as e:
         if not (gds and _is_gds_unavailable(e)):
             raise
         _gds_broken = True
         log.warning("raylazy rank %d: GPUDirect Storage is unavailable on this node (%s: %s); "
-                    "loading again with nogds=True", plan.rank, type(e).__name__, str(e).strip()[:200])
-        if reported[0] and on_progress is not None:
-            on_progress(-reported[0])  # the failed attempt's shards were discarded
-        reported[0] = 0
-        gds, fallback = False, f"{type(e).__name__}: {e}"
-        _load(torch, plan, buffers, dev, paths, nogds=True, queue_size=options.queue_size, on_progress=progress)
-    depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
-    runs = fst_runs(plan)
-    stats = ReadStats(
-        backend="fastsafetensors", device=str(dev), bytes_needed=reported[0],
-        bytes_read=sum(end - start for _, start, end in runs), requests=len(runs),
-        seconds=time.perf_counter() - t0, staging_bytes=sum(sorted(data_bytes, reverse=True)[:depth]),
-        staging_buffers=depth, gds=gds, gds_fallback=fallback,
-    )
-    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
+                    "loading again with nogds=True", rank, type(e).__name__, str(e).strip()[:200])
+        counter.add(-counter.value)  # the failed attempt's shards were discarded
+        load(nogds=True)
+        return False, f"{type(e).__name__}: {e}"
 
 
 def check_fastsafetensors(plan: RankPlan) -> None:

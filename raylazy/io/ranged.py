@@ -22,15 +22,14 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, Read
 from ..core.schedule import RankSchedule, Window, rank_schedule
-from ..errors import ReadError
-from ..storage import Source, open_planned
-from .buffers import shard_buffers
+from ..storage import Source, open_planned_files, reading
+from .buffers import plan_files, shard_buffers, shards_of
 from .stats import Counter, Progress, ReadStats
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def read_rank(
+def read_rank_ranged(
     plan: RankPlan,
     device: str = "cpu",
     *,
@@ -43,7 +42,7 @@ def read_rank(
     """Read `plan`'s shards onto `device`; returns ({name: tensor}, stats). Raises on any failure.
 
     `out` ({name: tensor}) gives shards to fill in place (and return): each must match its
-    shard (see `common.shard_buffers`); the others are allocated.
+    shard (see `raylazy.io.buffers.shard_buffers`); the others are allocated.
 
     `schedule` is the plan's windows (default: `rank_schedule(plan, options.chunk_bytes)`).
     Staging keeps options.queue_size + 2 windows of host memory (-1: one, fully serial).
@@ -53,41 +52,36 @@ def read_rank(
     import torch
 
     dev = torch.device(device)
-    stats = ReadStats(backend="ranged", device=str(dev))
-    counter = Counter(on_progress)
-    t0 = time.perf_counter()
+    stats, counter, t0 = ReadStats(backend="ranged", device=str(dev)), Counter(on_progress), time.perf_counter()
     buffers = shard_buffers(torch, plan, dev, out)
     flats = [flat for flat, _ in buffers]
-    used = sorted({r.file for t in plan.tensors for r in t.reads})
-    sources: dict[int, Source] = {}
-    try:
-        for i in used:
-            sources[i] = open_planned(plan, i, options.storage_options)  # read-ahead off: no bytes past the planned ranges
-        schedule = schedule or rank_schedule(plan, options.chunk_bytes)
-        jobs = schedule.windows
+    schedule = schedule or rank_schedule(plan, options.chunk_bytes)
+    with open_planned_files(plan, plan_files(plan), options.storage_options) as sources:  # read-ahead off
         reader = _Reader(plan, sources, counter)
         threads = max([options.threads] + [s.concurrency for s in sources.values()])
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-read") as pool:
-            if not (dev.type != "cpu" if stage is None else stage):
-                futures = [pool.submit(reader.run, j, _as_view(flats[j.tensor], j.start, j.end)) for j in jobs]
-                try:
-                    for f in futures:
-                        f.result()
-                except BaseException:
-                    for f in futures:  # stop at the first failure: no half-read shard is returned
-                        f.cancel()
-                    raise
-            else:
+            if dev.type != "cpu" if stage is None else stage:
                 stats.staging_buffers = _staged(torch, pool, reader, schedule, flats, dev, options.queue_size + 2)
                 stats.staging_bytes = stats.staging_buffers * schedule.window_bytes
-    finally:
-        for source in sources.values():
-            source.close()
+            else:
+                _in_place(pool, reader, schedule, flats)
     stats.bytes_needed = counter.value
     stats.bytes_read = sum(t.bytes_read for t in plan.tensors)
     stats.requests = sum(t.requests for t in plan.tensors)
     stats.seconds = time.perf_counter() - t0
-    return {t.name: tensor for t, (_, tensor) in zip(plan.tensors, buffers)}, stats
+    return shards_of(plan, buffers), stats
+
+
+def _in_place(pool, reader: _Reader, schedule: RankSchedule, flats) -> None:
+    """CPU path: every window read straight into its slice of the shard; the first failure cancels the rest."""
+    futures = [pool.submit(reader.run, w, _as_view(flats[w.tensor], w.start, w.end)) for w in schedule.windows]
+    try:
+        for f in futures:
+            f.result()
+    except BaseException:
+        for f in futures:  # stop at the first failure: no half-read shard is returned
+            f.cancel()
+        raise
 
 
 def _as_view(flat, start: int, end: int) -> memoryview:
@@ -108,7 +102,7 @@ class _Reader:
                 self.sources[r.file].will_need(r.offset + first, r.offset + first + n)
         for r, first, n in job.parts:
             source = self.sources[r.file]
-            try:
+            with reading(source.uri, f"reading tensor {name!r} at byte {r.offset}"):
                 if r.count == 1:
                     dst = r.dst_offset + first - job.start
                     source.readinto(r.offset + first, [buf[dst : dst + n]])
@@ -116,11 +110,6 @@ class _Reader:
                     self._gather(source, r, first, n, buf, job.start)
                 else:
                     _read_rows(source, r, first, n, buf, job.start)
-            except OSError as e:
-                raise ReadError(f"{source.uri}: reading tensor {name!r} at byte {r.offset}: {e.strerror or e}") from None
-            except EOFError as e:
-                raise ReadError(f"{source.uri}: file ended early while reading tensor {name!r}: {e}; "
-                                "it was truncated since planning") from None
         self.counter.add(job.bytes_needed)
 
     def _gather(self, source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
@@ -200,7 +189,7 @@ def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, de
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in done:
                 job, buf = f.result()
-                in_flight.append((_copy(torch, stream, flats[job.tensor][job.start : job.end], buf), buf))
+                in_flight.append((_copy_to_device(torch, stream, flats[job.tensor][job.start : job.end], buf), buf))
                 while in_flight and (in_flight[0][0] is None or in_flight[0][0].query() or free.empty()):
                     event, done_buf = in_flight.pop(0)
                     if event is not None:
@@ -217,7 +206,7 @@ def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, de
     return depth
 
 
-def _copy(torch, stream, dst, buf):
+def _copy_to_device(torch, stream, dst, buf):
     """Copy the filled part of a staging buffer to `dst`; on CUDA asynchronously, returning its event."""
     if stream is None:
         dst.copy_(buf[: dst.numel()])

@@ -19,7 +19,8 @@ class ReadStats:
     bytes_needed: int = 0
     #: Bytes read from storage: the needed ones plus any gaps read to save requests.
     bytes_read: int = 0
-    #: Bytes received from peer ranks instead of storage (cooperative reads; 0 today).
+    #: Bytes of the rank's shards that other ranks of its node read (cooperative and exchange reads): kept from
+    #: their stripes through the page cache, or received over the exchange.
     bytes_received: int = 0
     #: Bytes of shards copied from the rank with the same coordinates in a live replica (`raylazy.cluster.replicas`),
     #: instead of reading them from storage (`bytes_read` is then 0).

@@ -1,10 +1,11 @@
-"""Open a planned checkpoint file and check it is the one planned (size, version tag, header digest) before a
-reader takes bytes from it."""
+"""Planned checkpoint files opened for a reader: each checked to be the one planned (size, version tag, header
+digest) before a byte is taken from it, and storage failures while reading named as ReadErrors."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from ..core.header import MAX_HEADER_BYTES
@@ -56,3 +57,29 @@ def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None
         source.close()
         raise
     return source
+
+
+@contextmanager
+def open_planned_files(plan: RankPlan, files: Iterable[int], storage_options: Mapping[str, Any] | None = None,
+                       ) -> Iterator[dict[int, Source]]:
+    """`open_planned` each of `files` (plan file indices); yields {index: Source} and closes them all on leaving."""
+    sources: dict[int, Source] = {}
+    try:
+        for f in files:
+            sources[f] = open_planned(plan, f, storage_options)
+        yield sources
+    finally:
+        for source in sources.values():
+            source.close()
+
+
+@contextmanager
+def reading(uri: str, what: str) -> Iterator[None]:
+    """A storage failure while reading `what` of `uri` (the Source contract: OSError, or EOFError for data that
+    ends early) as the ReadError every reader raises, naming the file and what was being read."""
+    try:
+        yield
+    except OSError as e:
+        raise ReadError(f"{uri}: {what}: {e.strerror or e}") from None
+    except EOFError as e:
+        raise ReadError(f"{uri}: file ended early {what}: {e}; it was truncated since planning") from None

@@ -6,7 +6,7 @@ RESULT line, the engine's own load first.
 With `--check-loaders F ...`, each worker of the engine also loads a fresh copy of the model with each load format
 F (the weights as the loader leaves them, before vLLM's CPU post-processing repacks the linear layers and empties
 their parameters) and the result holds, per format, per rank, a sha256 of every parameter. Format
-`raylazy+peer` loads with raylazy while rank 0 is fed its neighbour's bytes (RAYLAZY_VLLM_TEST_PEER_BYTES).
+`raylazy+peer` loads with raylazy while rank 0 is fed its neighbour's bytes (peer_loader.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 
 
 def loaded_digests(worker, load_format: str) -> dict[str, str]:
@@ -29,9 +28,12 @@ def loaded_digests(worker, load_format: str) -> dict[str, str]:
 
     fmt, _, variant = load_format.partition("+")
     cfg = worker.vllm_config
-    loader = get_model_loader(LoadConfig(load_format=fmt))
     if variant == "peer":
-        os.environ["RAYLAZY_VLLM_TEST_PEER_BYTES"] = "0"
+        from peer_loader import PeerBytesLoader  # beside this script, on the workers' sys.path too
+
+        loader = PeerBytesLoader(LoadConfig(load_format=fmt))
+    else:
+        loader = get_model_loader(LoadConfig(load_format=fmt))
     # The copy's attention layers register under the serving model's names: let them, aside, for the copy only.
     layers = cfg.compilation_config.static_forward_context
     cfg.compilation_config.static_forward_context = {}
@@ -41,7 +43,6 @@ def loaded_digests(worker, load_format: str) -> dict[str, str]:
             loader.load_weights(model, cfg.model_config)
     finally:
         cfg.compilation_config.static_forward_context = layers
-        os.environ.pop("RAYLAZY_VLLM_TEST_PEER_BYTES", None)
     return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for name, p in model.named_parameters()}
 
