@@ -48,11 +48,14 @@ def scalar_specs(wshape: tuple[int, ...]) -> list[tuple[Spec, str]]:
         [(whole(0), "per-tensor scale"), ((1,), "per-tensor scale")]
 
 
-def scaled_companion(name: str, tensors: Mapping[str, TensorInfo], blocks: Sequence[tuple[int, int]],
-                     groups: Sequence[int], what: str) -> Companion | None:
+_SCALES, _SCALED = frozenset(SCALES), frozenset(SCALES + SCALARS)
+
+
+def scaled_companion(name: str, tensors: Mapping[str, TensorInfo], blocks: tuple[tuple[int, int], ...],
+                     groups: tuple[int, ...], what: str) -> Companion | None:
     """`name` as a companion of an FP8/int8 weight stored whole (`P.weight` beside `P.weight_scale`...), or None."""
     prefix, _, suffix = name.rpartition(".")
-    if suffix in SCALES or suffix in SCALARS:
+    if suffix in _SCALED:
         weight = tensors.get(prefix + ".weight")
     elif suffix in KV_SCALES:
         weight = tensors.get(prefix + ".weight") or tensors.get(f"{prefix}.{KV_SCALES[suffix]}.weight")
@@ -64,10 +67,10 @@ def scaled_companion(name: str, tensors: Mapping[str, TensorInfo], blocks: Seque
         return None
     if weight is None or len(weight.shape) < 2:
         return None
-    scale, t = suffix in SCALES, tensors[name]
-    layout = _layout(t.shape, weight.shape, tuple(blocks), tuple(groups), scale)
+    scale, t = suffix in _SCALES, tensors[name]
+    layout = _layout(t.shape, weight.shape, blocks, groups, scale)
     if layout is None:  # fit names what was expected
-        fit(name, t, weight.name, weight.shape, _specs(weight.shape, tuple(blocks), tuple(groups), scale), what)
+        fit(name, t, weight.name, weight.shape, _specs(weight.shape, blocks, groups, scale), what)
     return Companion(weight.name, layout)
 
 
@@ -92,7 +95,8 @@ class Fp8(Format, methods=("fp8", "fbgemm_fp8")):
 
     suffixes = SCALED_SUFFIXES
 
-    block: tuple[int, int] | None = None
+    #: `weight_block_size`, (block_n, block_k); none: scales per channel or per tensor.
+    blocks: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], source: str) -> Fp8:
@@ -102,7 +106,7 @@ class Fp8(Format, methods=("fp8", "fbgemm_fp8")):
         if len(block) != 2:
             raise QuantizationConfigError(f"{source}: quantization_config weight_block_size={block!r} must be "
                                           "[block_n, block_k], e.g. [128, 128]")
-        return cls(tuple(positive(b, "weight_block_size", source) for b in block))
+        return cls((tuple(positive(b, "weight_block_size", source) for b in block),))
 
     def companion(self, name: str, tensors: Mapping[str, TensorInfo]) -> Companion | None:
-        return scaled_companion(name, tensors, (self.block,) if self.block else (), (), "fp8")
+        return scaled_companion(name, tensors, self.blocks, (), "fp8")
