@@ -290,7 +290,7 @@ class Plan(_Frozen):
         total = sum(rp.stats.bytes_read for rp in reading)
         lines.append(
             f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
-            f"whole on every rank would be {len(reading)}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
+            f"whole on every rank would be {len(reading)}x){_skipped(self.skipped)}"
         )
         if self.mesh.dp > 1:
             lines.append(f"replicas 1-{self.mesh.dp - 1} ({len(self.ranks) - len(reading)} rank(s)) copy the same shards "
@@ -303,6 +303,15 @@ class Plan(_Frozen):
                 f"{format_bytes(n.stripe_bytes)}"
             )
         return "\n".join(lines)
+
+
+def _skipped(names: tuple[str, ...], shown: int = 10) -> str:
+    """The summary's note of the tensors not loaded: the first `shown` names, and how many more (DeepSeek-V3 skips
+    its 1,564-tensor multi-token-prediction layer)."""
+    if not names:
+        return ""
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return f"; skipped: {', '.join(names[:shown])}{more}"
 
 
 def format_bytes(n: int) -> str:
