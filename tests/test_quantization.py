@@ -170,7 +170,7 @@ def test_rank_shards_dequantize_to_rank_slices(quantized_model, tp, ep):
     _, _, decode = FORMATS[fmt]
     full = reference_tensors(model_dir)
     dequantized = {prefix: decode(layer_parts(full, prefix)) for prefix in LAYERS}
-    plan, ranks = rank_shards(model_dir, tp, expert_parallel=ep)
+    _, ranks = rank_shards(model_dir, tp, expert_parallel=ep)
     for r, shards in enumerate(ranks):
         for name, t in shards.items():  # on-disk dtype and encoding, whatever the format
             assert t.dtype == full[name].dtype, (name, t.dtype)

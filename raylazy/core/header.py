@@ -19,9 +19,9 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from math import prod
-from operator import attrgetter, itemgetter, mul, sub
+from operator import add, attrgetter, floordiv, itemgetter, mod, mul, ne, sub
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -190,10 +190,11 @@ def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
     if not _u64s(begins, 0) or not _u64s(ends, 0):
         return None
     bits = list(map(mul, map(prod, shapes), map(_BITS.__getitem__, dtypes)))
-    if max(bits) >= _U64 or any(b % 8 for b in bits) or [b // 8 for b in bits] != list(map(sub, ends, begins)):
+    eight = repeat(8)
+    if max(bits) >= _U64 or any(map(mod, bits, eight)) or any(map(ne, map(floordiv, bits, eight), map(sub, ends, begins))):
         return None
-    return list(map(TensorInfo, entries, dtypes, map(tuple, shapes), [b + data_start for b in begins],
-                    [e + data_start for e in ends]))
+    at = repeat(data_start)
+    return list(map(TensorInfo, entries, dtypes, map(tuple, shapes), map(add, begins, at), map(add, ends, at)))
 
 
 def _u64s(values: list, low: int) -> bool:
