@@ -535,6 +535,34 @@ def test_max_gap_gathers_row_reads(llama_dir):
     assert everything.bytes_read - plain.bytes_read == extra > 0
 
 
+def test_cost_model_chooses_whole_or_row_by_row_per_read(llama_dir):
+    """One connection, parts larger than any tensor: a read is gathered iff its gap bytes (count - 1) x gap cost
+    less at `connection_bps` than the (count - 1) requests saved, i.e. iff gap <= request_s x connection_bps."""
+    from raylazy.core.costs import CostModel
+    from raylazy.core.options import PlanOptions
+    from raylazy.core.planner import plan_checkpoint
+    from raylazy.storage import open_checkpoint
+
+    ckpt = open_checkpoint(llama_dir)
+    o_gap, down_gap = (64 - 16) * BF16, (128 - 32) * BF16  # o_proj [64, 64], down_proj [64, 128] at tp=4
+    between = CostModel(request_s=1.0, connection_bps=(o_gap + down_gap) / 2)
+    plan = plan_checkpoint(ckpt, PlanOptions(tp=4), cost=between)
+    assert plan.max_gap is None
+    assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in make_plan(llama_dir, 4, max_gap=o_gap).ranks]
+    assert _shard(plan, 1, "model.layers.0.self_attn.o_proj.weight").reads[0].gather
+    assert not _shard(plan, 1, "model.layers.0.mlp.down_proj.weight").reads[0].gather
+    # every byte at 1 B/s for all connections together: fetching the gaps never pays, whatever a request costs
+    capped = plan_checkpoint(ckpt, PlanOptions(tp=4), cost=CostModel(request_s=1.0, connection_bps=1e9, bandwidth_bps=1))
+    assert capped.bytes_read == capped.bytes_needed
+    # an explicit max_gap wins over the cost model; none and no cost model (local files): exact reads
+    assert plan_checkpoint(ckpt, PlanOptions(tp=4, max_gap=0), cost=between).bytes_read == capped.bytes_needed
+    assert plan_checkpoint(ckpt, PlanOptions(tp=4)).max_gap == 0
+    # the estimate of a rank: its requests and bytes at the model's rates
+    rp = plan.ranks[1]
+    requests = sum(1 if r.gather else r.count for t in rp.tensors for r in t.reads)
+    assert between.rank_seconds(rp) == pytest.approx(requests * 1.0 + rp.stats.bytes_read / between.connection_bps)
+
+
 # --- serialisation, tables, stats ------------------------------------------------
 
 

@@ -46,8 +46,8 @@ class PlanOptions(BaseModel):
     keep_mtp: bool = False
     preset: str | None = "auto"
     uneven: Literal["error", "chunk", "pad"] = "error"
-    #: Row gaps of at most this many bytes are read as one request; None: the storage's default (0 for local
-    #: files, 1 MiB for object storage: `raylazy.storage.objects.DEFAULT_MAX_GAP`).
+    #: Row gaps of at most this many bytes are read as one request; None: 0 for local files, and on object storage
+    #: whichever of whole or row by row the storage's cost model estimates sooner, per read (`raylazy.core.costs`).
     max_gap: int | None = Field(None, ge=0)
 
     @model_validator(mode="before")

@@ -16,6 +16,7 @@ from ..errors import (
     UnsupportedQuantizationError,
 )
 from .checkpoint import Checkpoint
+from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .header import TensorInfo
 from .mesh import Mesh
@@ -51,24 +52,26 @@ def gc_paused():
 
 
 def plan_checkpoint(ckpt: Checkpoint, opts: PlanOptions, rules: RulesLike | None = None,
-                    default_max_gap: int = 0) -> Plan:
+                    cost: CostModel | None = None) -> Plan:
     """Plan which bytes of which file every rank of `opts.mesh` reads, from headers already read (`ckpt`).
 
     With pipeline stages, each stage's ranks get only its tensors (`raylazy.core.stages`: vLLM's layer split,
     or `opts.pp_layers` per stage); with `opts.expert_parallel`, routed experts go whole to the tp ranks of
-    their stage. `opts.max_gap` None: `default_max_gap` (the storage's: 0 for local files)."""
+    their stage. `opts.max_gap` None: each row-split read is gathered where the storage's `cost` model estimates
+    it sooner (the plan's max_gap is then None), or never without one (local files: max_gap 0)."""
+    if opts.max_gap is not None or cost is None:
+        opts, cost = opts.model_copy(update={"max_gap": opts.max_gap or 0}), None
     with gc_paused():
-        return _plan(ckpt, rules, opts if opts.max_gap is not None else
-                     opts.model_copy(update={"max_gap": default_max_gap}))
+        return _plan(ckpt, rules, opts, cost)
 
 
-def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
+def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, cost: CostModel | None) -> Plan:
     mesh = opts.mesh
     all_rules = resolve_rules(ckpt.config.model_type, rules, opts.preset)
     tensors = list(ckpt.tensors())
     placed, weights, skipped = _placements(ckpt, tensors, all_rules, opts)
     stages = _stages(ckpt, opts, all_rules, placed, weights)
-    per_rank = _shards(ckpt, tensors, placed, weights, stages, opts)
+    per_rank = _shards(ckpt, tensors, placed, weights, stages, opts, cost)
     files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
@@ -85,7 +88,8 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
 
 
 def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dict[str, Placed],
-            weights: dict[str, str], stages: dict[str, tuple[int, ...]], opts: PlanOptions) -> list[list[TensorShard]]:
+            weights: dict[str, str], stages: dict[str, tuple[int, ...]], opts: PlanOptions,
+            cost: CostModel | None) -> list[list[TensorShard]]:
     """Every rank's shards (of one replica: the others are copies), in file order. The tp ranks of a stage that
     hold a tensor are asked of its placement once (`holders`), then each is sliced. A companion's placement sees
     its weight's name, and is held by the ranks that hold its weight (asked once for the weight and all its
@@ -93,7 +97,7 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dic
     mesh, cfg = opts.mesh, ckpt.config
     coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]
     rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
-    tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap
+    tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap or 0
     heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
     every, every_rank, known = tuple(range(tp)), Placement.holders, {}  # known: (weight, stage) -> holders
     per_rank: list[list[TensorShard]] = [[] for _ in coords]
@@ -114,10 +118,11 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dic
                     slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name,
                                                                       coords[ranks[k]], ep, experts))
                     if slicing is None:
-                        whole = whole or tensor_shard(fi, t, p.label, None, max_gap)
+                        whole = whole or tensor_shard(fi, t, p.label, None, 0)
                         per_rank[ranks[k]].append(whole)
                     else:
-                        per_rank[ranks[k]].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path))
+                        per_rank[ranks[k]].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path,
+                                                               cost))
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({p.label}, rule {p.pattern!r}): {e}") from None
@@ -198,9 +203,11 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], placed
                          cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
 
 
-def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
+def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "",
+                 cost: CostModel | None = None) -> TensorShard:
     """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, with the
-    byte ranges to read (row gaps of at most `max_gap` bytes read through; `path` names the file in errors)."""
+    byte ranges to read (row gaps read through where `cost` estimates that sooner, else where at most `max_gap`
+    bytes; `path` names the file in errors)."""
     if slicing is None:
         return TensorShard(t.name, fi, t.start, t.dtype, t.shape, t.shape, placement, None, (),
                            (Read(fi, t.start, t.end - t.start, 0),) if t.end > t.start else ())
@@ -223,8 +230,9 @@ def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None
                               dst_offset=offs[3] // 8))
             continue
         src, length, stride, dst, dst_stride = (b // 8 for b in offs)
+        gather = cost.gather(length, stride, outer) if cost is not None else stride - length <= max_gap
         reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
-                          stride=stride, dst_stride=dst_stride, gather=stride - length <= max_gap))
+                          stride=stride, dst_stride=dst_stride, gather=gather))
     out_shape = shape[:d] + (slicing.length,) + shape[d + 1 :]
     return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
                        pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces), reads=tuple(reads))

@@ -206,7 +206,8 @@ class Plan(_Frozen):
     root: str
     model_type: str | None
     mesh: Mesh
-    max_gap: int
+    #: Row gaps of at most this many bytes were read through; None: each read chose by the storage's cost model.
+    max_gap: int | None
     uneven: str
     checkpoint_bytes: int
     files: tuple[FileRef, ...]
