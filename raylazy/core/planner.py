@@ -29,12 +29,14 @@ from .stages import layer_index, partition, tensor_stages
 
 
 class Placed(NamedTuple):
-    """How tensors are placed: the placement, the label plans show, and the pattern of the rule that chose it
-    (shared by every tensor the same rule places the same way)."""
+    """How tensors are placed: the placement, the label plans show, the pattern of the rule that chose it, and
+    whether the placement says which ranks hold a tensor (`Placement.holders`; else all of them). Shared by every
+    tensor the same rule places the same way."""
 
     placement: Placement
     label: str
     pattern: str
+    holders: bool
 
 
 @contextmanager
@@ -95,12 +97,13 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dic
     its weight's name, and is held by the ranks that hold its weight (asked once for the weight and all its
     companions)."""
     mesh, cfg = opts.mesh, ckpt.config
-    coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]
-    rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap or 0
     heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
-    every, every_rank, known = tuple(range(tp)), Placement.holders, {}  # known: (weight, stage) -> holders
-    per_rank: list[list[TensorShard]] = [[] for _ in coords]
+    per_rank: list[list[TensorShard]] = [[] for _ in range(mesh.size // mesh.dp)]
+    ranks = [[mesh.rank(pp=s, tp=k) for k in range(tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
+    coords = [[mesh.coords(r) for r in stage] for stage in ranks]
+    lists = [[per_rank[r] for r in stage] for stage in ranks]
+    every, known = tuple(range(tp)), {}  # known: (weight, stage) -> holders
     for fi, t in tensors:
         p = placed.get(t.name)
         if p is None:
@@ -108,21 +111,20 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dic
         placement, name, whole = p.placement, weights.get(t.name, t.name), None  # whole: shared by all ranks
         try:
             for s in stages.get(t.name, (0,)):
-                ranks, holders = rank_of[s], None
-                if type(placement).holders is not every_rank:  # only then may a rank not hold the tensor
+                holders = None
+                if p.holders:  # a placement that may leave ranks out
                     holders = known.get((name, s), known)
                     if holders is known:
-                        ctx = ShardContext(0, tp, heads, kv, uneven, name, coords[ranks[0]], ep, experts)
+                        ctx = ShardContext(0, tp, heads, kv, uneven, name, coords[s][0], ep, experts)
                         holders = known[name, s] = placement.holders(t.shape, ctx)
                 for k in every if holders is None else holders:
-                    slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name,
-                                                                      coords[ranks[k]], ep, experts))
-                    if slicing is None:
-                        whole = whole or tensor_shard(fi, t, p.label, None, 0)
-                        per_rank[ranks[k]].append(whole)
-                    else:
-                        per_rank[ranks[k]].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path,
-                                                               cost))
+                    slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name, coords[s][k], ep,
+                                                                      experts))
+                    if slicing is not None:
+                        lists[s][k].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path, cost))
+                        continue
+                    whole = whole or tensor_shard(fi, t, p.label, None, 0)
+                    lists[s][k].append(whole)
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({p.label}, rule {p.pattern!r}): {e}") from None
@@ -159,7 +161,7 @@ def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: 
         key = (id(rule), id(c.layout) if c else 0)
         if key not in shared:
             p = Following(rule.placement, c.layout) if c else rule.placement
-            shared[key] = Placed(p, p.describe(), rule.pattern)
+            shared[key] = Placed(p, p.describe(), rule.pattern, type(p).holders is not Placement.holders)
         placed[name] = shared[key]
     weights = {n: c.weight for n, c in layout.items() if n in placed}
     return placed, weights, [n for n in by_name if n in skipped] if skipped else []
