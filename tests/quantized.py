@@ -81,12 +81,6 @@ def fp8_block_decode(t: dict, block=(128, 128)) -> torch.Tensor:
     return w.float() * expand(t["weight_scale_inv"], *block, *w.shape)
 
 
-def remote_fp8_block_decode(rank: int, shards: dict, prefix: str, block) -> tuple[str, torch.Tensor]:
-    """In a rank actor (`loaded.run`): the dtype of layer `prefix`'s weight shard, and the shard dequantized."""
-    parts = {name[len(prefix) + 1:]: t for name, t in shards.items() if name.rpartition(".")[0] == prefix}
-    return str(parts["weight"].dtype), fp8_block_decode(parts, block)
-
-
 def fp8_channel_encode(n: int, k: int, g: torch.Generator) -> dict:
     return {"weight": fp8((n, k), g), "weight_scale": scales((n, 1), g, torch.bfloat16),
             "input_scale": scales((1,), g)}

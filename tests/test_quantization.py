@@ -378,17 +378,15 @@ def test_unknown_method_and_bad_layouts_are_named(tmp_path):
 
 
 def test_load_on_ray_gives_the_same_dequantized_slices(deepseek_dir, ray_local):
-    """The shards are dequantized where they live, in the rank actors: torch cannot unpickle float8 tensors, so
-    FP8 shards on CPU ranks do not travel through Ray's object store (`loaded.refs()` of CPU shards)."""
-    import ray
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(q)  # the decoders travel to the actors by value
+    """FP8 shards on CPU ranks travel through Ray's object store (torch pickles float8 tensors but cannot unpickle
+    them: raylazy carries them as bytes), from each rank to the caller and from replica 0 to replica 1."""
     full = reference_tensors(deepseek_dir)
     prefix = "model.layers.1.self_attn.kv_b_proj"
-    with raylazy.load(deepseek_dir, 2, expert_parallel=True, device="cpu") as loaded:
-        got = ray.get(loaded.run(q.remote_fp8_block_decode, prefix, (32, 32)), timeout=120)
     want = q.fp8_block_decode(layer_parts(full, prefix), (32, 32))
-    for r, (dtype, w) in enumerate(got):
-        assert dtype == str(torch.float8_e4m3fn)
-        assert torch.equal(w, _rows(want, r, 2)), r
+    with raylazy.load(deepseek_dir, 2, expert_parallel=True, device="cpu", replicas=2) as loaded:
+        assert [s.bytes_from_replica > 0 for s in loaded.stats] == [False, False, True, True]
+        for rank, c in enumerate(loaded.mesh):
+            shards = loaded.get(rank)
+            parts = {n[len(prefix) + 1:]: t for n, t in shards.items() if n.rpartition(".")[0] == prefix}
+            assert parts["weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(q.fp8_block_decode(parts, (32, 32)), _rows(want, c.tp_rank, 2)), rank
