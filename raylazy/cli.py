@@ -48,6 +48,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                    help="layers per stage (default: vLLM's even split, the remainder to the stages before the last)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="routed MoE experts whole to the tp ranks of their stage instead of tp slices")
+    p.add_argument("--keep-mtp", action="store_true", help="load the multi-token-prediction layers past the last "
+                   "decoder layer (DeepSeek-V3's layer 61), which are skipped by default as vLLM's main model skips them")
     p.add_argument("--preset", default="auto", help="sharding preset (default: from config.json model_type)")
     p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
                    help="what to do with a dim tp does not divide")
@@ -61,7 +63,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
 
 
 def _mesh_args(args) -> dict:
-    return {"pp": args.pp, "pp_layers": args.pp_layers, "expert_parallel": args.expert_parallel}
+    return {"pp": args.pp, "pp_layers": args.pp_layers, "expert_parallel": args.expert_parallel,
+            "keep_mtp": args.keep_mtp}
 
 
 def _storage_options(args) -> dict[str, str]:

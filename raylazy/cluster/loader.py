@@ -29,6 +29,7 @@ from ..planning import make_plan
 from .actor import RankInfo, RankLoader
 from .bundles import check_placeable, ensure_ray, rank_bundles, stage_strategy
 from .group import RankGroup
+from .portable import portable_shards
 from .reading import read_ranks
 from .replicas import copy_from_replicas
 
@@ -84,7 +85,7 @@ class LoadedModel:
         """
         transport = transport or self.options.transport
         if transport not in self._refs:
-            self._refs[transport] = [_shards_method(a, _transport_for(transport, info.device)).remote()
+            self._refs[transport] = [_shards_ref(a, _transport_for(transport, info.device))
                                      for a, info in zip(self.actors, self.group.ranks)]
         return self._refs[transport]
 
@@ -280,8 +281,11 @@ def _transport_for(transport: str, device: str) -> str:
     return transport
 
 
-def _shards_method(actor, transport: str):
-    return actor.shards if transport == "object_store" else actor.shards.options(tensor_transport=transport)
+def _shards_ref(actor, transport: str):
+    """The ref of `actor`'s shards over `transport` (through the object store as `Portable`: float8 shards too)."""
+    if transport == "object_store":
+        return actor.run.remote(portable_shards)
+    return actor.shards.options(tensor_transport=transport).remote()
 
 
 __all__ = ["load", "LoadedModel"]

@@ -78,6 +78,18 @@ _QWEN2_MOE = (
     Rule("*.mlp.shared_expert.down_proj.weight", ROW),
 ) + _LLAMA
 
+#: The multi-token-prediction layer after the last (DeepSeek-V3's layer 61, planned with keep_mtp=True; transformers'
+#: model has none, so no declared plan names it), as vLLM's DeepSeekMTP holds it: eh_proj a plain nn.Linear (whole),
+#: its norms replicated, its embeddings and head vocab-parallel; its decoder layer is the other layers' kind.
+_MTP = (
+    Rule("*.eh_proj.weight", Replicated()),
+    Rule("*.enorm.weight", Replicated()),
+    Rule("*.hnorm.weight", Replicated()),
+    Rule("*.shared_head.norm.weight", Replicated()),
+    Rule("*.shared_head.head.weight", COLUMN),
+    Rule("model.layers.*.embed_tokens.weight", COLUMN),
+)
+
 #: DeepSeek-V3's multi-head latent attention, which its declared plan leaves out: the low-rank down-projections stay
 #: replicated (the plan's default), the up-projections are split by whole heads (q_b_proj: heads x qk_head_dim
 #: rows, kv_b_proj: heads x (qk_nope + v) rows), o_proj is row-parallel.
@@ -86,6 +98,7 @@ _DEEPSEEK_V3 = (
     Rule("*.self_attn.q_b_proj.weight", Heads("q")),
     Rule("*.self_attn.kv_b_proj.weight", Heads("q")),
     Rule("*.self_attn.o_proj.weight", ROW),
+    *_MTP,
 ) + _LLAMA
 
 #: gpt-oss declares only its embeddings. Attention as an engine shards it, each head's sink with its head; the
