@@ -122,11 +122,11 @@ def _load(args) -> int:
                       storage_options=_storage_options(args), progress=False if args.no_progress else None)
         try:
             print(f"{'rank':>4} {'replica':>7} {'stage':>5} {'tp rank':>7} {'node':>10} {'device':>7} {'tensors':>7} "
-                  f"{'bytes':>12} {'from peers':>12} {'requests':>9} {'seconds':>8}")
+                  f"{'bytes':>12} {'from peers':>12} {'requests':>9} {'seconds':>8} {'rchar':>12}")
             for info, c, st, rp in zip(loaded.ranks, loaded.mesh, loaded.stats, loaded.plan.ranks):
                 print(f"{info.rank:>4} {c.replica:>7} {c.stage:>5} {c.tp_rank:>7} {info.node_id[:10]:>10} "
                       f"{info.device:>7} {len(rp.tensors):>7} {st.bytes_needed:>12} {st.bytes_from_replica:>12} "
-                      f"{st.requests:>9} {st.seconds:>8.3f}")
+                      f"{st.requests:>9} {st.seconds:>8.3f} {'-' if st.rchar is None else st.rchar:>12}")
             print(loaded.summary())
         finally:
             loaded.release()

@@ -1,6 +1,7 @@
 """Object storage (`s3://`) against a real S3 server: SeaweedFS on loopback ports, behind a proxy that counts each
 request and its bytes and fails requests on demand (benchmarks/s3server.py; the session's `s3` fixture, in
-conftest.py). Shards are compared bit for bit with safetensors' own tensors, narrowed."""
+conftest.py): the bytes and requests checked are the proxy's counts. Shards are compared bit for bit with the slice
+of safetensors' own tensors each rank's place gives it (`raytest.check_rank`)."""
 
 from __future__ import annotations
 

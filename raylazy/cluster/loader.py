@@ -104,10 +104,12 @@ class LoadedModel:
         return {i.rank: (i.node_id, i.device) for i in self.ranks}
 
     def summary(self) -> str:
-        """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage for the shards
-        that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from replicas."""
+        """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage as planned for
+        the shards that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from
+        replicas, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`)."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
+        rchar = [s.rchar for s in self.stats]
         from_replica = sum(s.bytes_from_replica for s in self.stats)
         read_needed = sum(s.bytes_needed for s in self.stats if not s.bytes_from_replica)
         reading = max((s.seconds for s in self.stats), default=0.0)
@@ -117,8 +119,9 @@ class LoadedModel:
             f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''}{replicas} "
             f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.group.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
-            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} from storage "
-            f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas"
+            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), planned {format_bytes(read)} from storage "
+            f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas, "
+            f"read calls returned {'?' if None in rchar else format_bytes(sum(rchar))} (rchar)"
         )
 
     def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> LoadedModel:
