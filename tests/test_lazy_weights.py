@@ -52,7 +52,8 @@ def tp_consumer(rank: int, tp: int):
 def moe_consumer(rank: int, tp: int, params: dict):
     """What vLLM's fused-MoE loader does to an expert (FusedMoE.load_weights and _load_w13/_load_w2): a 2-d
     expert unsqueezed and unbound, a 3-d fused tensor transposed, chunked into w1/w3 and unbound; each expert
-    narrowed to the rank's part along its shard dim and copied into a narrowed slice of the fused parameter."""
+    narrowed to the rank's part along its shard dim and copied into a narrowed slice of the fused parameter; a
+    scalar of each stored into a scale tensor by index."""
 
     def load(param, expert, e: int, shard: str):
         dim = 1 if shard == "w2" else 0
@@ -61,6 +62,8 @@ def moe_consumer(rank: int, tp: int, params: dict):
         if shard != "w2":
             dst = dst.narrow(0, 0 if shard == "w1" else dst.shape[0] // 2, dst.shape[0] // 2)
         dst.copy_(expert.narrow(dim, rank * n, n))
+        # a per-tensor scale, as _load_per_tensor_weight_scale stores one: here the expert's first element
+        params["scales"][e][("w1", "w3", "w2").index(shard)] = expert[0, 0:1].reshape(())
 
     def consume(weights):
         for name, w in weights:
@@ -137,7 +140,8 @@ def test_experts_are_read_as_slices(tmp_path, kind, in_memory, hidden, inter, ra
     layers = sorted({n.split(".experts.")[0] for n in ref if ".experts." in n})
     half = inter // 2
     params = {f"{layer}.w13": torch.zeros(4, inter, hidden, dtype=torch.bfloat16) for layer in layers} | \
-             {f"{layer}.w2": torch.zeros(4, hidden, half, dtype=torch.bfloat16) for layer in layers}
+             {f"{layer}.w2": torch.zeros(4, hidden, half, dtype=torch.bfloat16) for layer in layers} | \
+             {"scales": torch.zeros(4, 3, dtype=torch.float32)}
     rec, stats = _run(model, moe_consumer(rank, 2, params), watch=lambda: params)
     assert rec.replayable and not rec.opaque
     mine = slice(rank * half, (rank + 1) * half)
@@ -151,7 +155,9 @@ def test_experts_are_read_as_slices(tmp_path, kind, in_memory, hidden, inter, ra
             assert torch.equal(params[f"{layer}.w13"][e][:half], w1[mine])
             assert torch.equal(params[f"{layer}.w13"][e][half:], w3[mine])
             assert torch.equal(params[f"{layer}.w2"][e], down[:, mine])
-    assert stats.bytes_needed == stats.planned_bytes_read == sum(p.numel() * 2 for p in params.values())
+    assert torch.equal(params["scales"][e], torch.stack([w[0, 0] for w in (w1, w3, down)]).float())  # the last layer's
+    weights = sum(p.numel() * 2 for name, p in params.items() if name != "scales")
+    assert stats.bytes_needed == stats.planned_bytes_read == weights + len(layers) * 4 * 3 * 2
 
 
 def test_ops_it_cannot_follow_are_read_at_once_and_counted(llama_dir):

@@ -2,11 +2,11 @@
 
 vLLM pins torch and transformers of its own, so it runs in a virtualenv of its own, built on first use and cached
 in ~/.cache/raylazy (a few minutes). Where it cannot be built the tests fail, unless RAYLAZY_NO_PACKAGE_INDEX=1
-says this environment has no package index (then they skip, saying why). One subprocess per group of engines
-(tests/vllm/engines.py) starts them in turn: at tp=1 and tp=2, vLLM's default loader and raylazy's on dense
-models (their greedy tokens must be equal, and equal to transformers' `generate`), raylazy's on mixtures of
-experts (Mixtral's experts per expert, Qwen3-MoE's fused on disk, DeepSeek-V3's with MLA and a shared expert),
-and tp=2 x pp=2 with expert parallelism (loaded only: vLLM's CPU build cannot generate there with any loader).
+says this environment has no package index (then they skip, saying why). One subprocess (tests/vllm/engines.py)
+starts the engines in turn: raylazy's on dense models at tp=1 and tp=2 (greedy tokens equal to transformers'
+`generate`, and at tp=1 to an engine on vLLM's default loader), raylazy's on mixtures of experts at tp=2
+(Mixtral's experts per expert, Qwen3-MoE's fused on disk, DeepSeek-V3's with MLA and a shared expert), and at
+tp=2 x pp=2 with expert parallelism (loaded only: vLLM's CPU build cannot generate there with any loader).
 
 The oracles are vLLM's own: in every raylazy engine, every worker also loads fresh copies of the model with
 vLLM's default loader and with raylazy's in each of its ways (vLLM's CPU post-processing empties the served
@@ -20,6 +20,7 @@ bytes (tests/vllm/peer_loader.py, a broken loader of the tests' own) must fail t
 from __future__ import annotations
 
 import fcntl
+import functools
 import glob
 import hashlib
 import json
@@ -102,48 +103,35 @@ def vllm_models(tmp_path_factory) -> dict[str, str]:
                                 in_memory=m == "vllm-qwen3moe") for m in MODELS + MOE}
 
 
-def _groups(models: dict[str, str]) -> dict[str, tuple[str, list[dict]]]:
-    """The engine groups: name -> (the workers' CPU binding, the runs)."""
+def _runs(models: dict[str, str]) -> list[dict]:
+    """Every engine the tests start, in turn (tests/vllm/engines.py)."""
+    cpus = os.cpu_count() or 1
+    bind = {1: "", 2: f"0|{1 % cpus}", 4: f"0|{1 % cpus}|0|{1 % cpus}"}  # workers' CPUs: 2 cores here
+
     def runs(ms, fmts, tp, checks):
-        return [{"model": models[m], "format": f, "tp": tp, "dtype": DTYPE.get(m, "float32"),
-                 "checks": checks(m) if f == "raylazy" else []} for m in ms for f in fmts]
+        return [{"model": models[m], "format": f, "tp": tp, "dtype": DTYPE.get(m, "float32"), "bind": bind[tp],
+                 "checks": checks if f == "raylazy" else []} for m in ms for f in fmts]
 
-    dense2 = CHECKS + NODE_CHECKS + [{"name": "peer", "format": "raylazy+peer"}]
     pp = {"model": models["vllm-qwen3moe"], "format": "raylazy", "tp": 2, "pp": 2, "ep": True, "generate": False,
-          "checks": CHECKS}
-    return {"tp1": ("", runs(MODELS, ("raylazy", "auto"), 1, lambda m: CHECKS)),
-            "tp2": ("0|1", runs(MODELS, ("raylazy", "auto"), 2, lambda m: dense2) +
-                    runs(MOE, ("raylazy",), 2, lambda m: CHECKS + NODE_CHECKS)),
-            "pp2": ("0|1|0|1", [pp])}
+          "bind": bind[4], "checks": CHECKS}
+    return (runs(MODELS, ("raylazy", "auto"), 1, CHECKS)
+            + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [{"name": "peer", "format": "raylazy+peer"}])
+            + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp])
 
 
-_RUNS: dict[str, dict] = {}
-
-
-@pytest.fixture
-def engines(vllm_python, vllm_models):
-    """engines(group): {(model, format): result} of every engine of that group, with `lines`: the numbers of the
-    loader's log lines of the engine's own load, one per rank, in rank order. Each group runs once per session."""
-
-    def of(group: str) -> dict:
-        if group not in _RUNS:
-            _RUNS[group] = _run_engines(vllm_python, vllm_models, *_groups(vllm_models)[group])
-        return _RUNS[group]
-
-    return of
-
-
-def _run_engines(python: str, models: dict[str, str], bind: str, runs: list[dict]) -> dict:
+@pytest.fixture(scope="session")
+def engines(vllm_python, vllm_models) -> dict:
+    """{(model, format, tp x pp): result} of every engine, with `lines`: the numbers of the loader's log lines of
+    the engine's own load, one per rank, in rank order. All of them run in one subprocess, once per session."""
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # the checks are functions sent to the workers
-    if bind:
-        cpus = os.cpu_count() or 1
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(int(c) % cpus) for c in bind.split("|")))
-    done = subprocess.run([python, str(REPO / "tests" / "vllm" / "engines.py"), "--runs", json.dumps(runs),
-                           "--prompts", json.dumps(PROMPTS), "--max-tokens", str(MAX_TOKENS)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=2300)
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # the checks are functions sent to the workers
+               VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1")  # vLLM's CPU workers never leave in its default 5 s
+    done = subprocess.run([vllm_python, str(REPO / "tests" / "vllm" / "engines.py"), "--runs",
+                           json.dumps(_runs(vllm_models)), "--prompts", json.dumps(PROMPTS), "--max-tokens",
+                           str(MAX_TOKENS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          timeout=2300)
     assert done.returncode == 0, done.stdout[-6000:]
-    name_of = {path: m for m, path in models.items()}
+    name_of = {path: m for m, path in vllm_models.items()}
     out, lines = {}, []
     for line in done.stdout.splitlines():
         if line.startswith("READY "):
@@ -151,13 +139,15 @@ def _run_engines(python: str, models: dict[str, str], bind: str, runs: list[dict
         elif line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
             result["lines"], lines = own, []
-            out[(name_of[result["spec"]["model"]], result["spec"]["format"])] = result
+            spec = result["spec"]
+            out[(name_of[spec["model"]], spec["format"], spec["tp"] * spec.get("pp", 1))] = result
         elif "raylazy: rank" in line:
             fields = re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]"))
             lines.append({k: int(v) if v.isdigit() else v for k, v in fields})
     return out
 
 
+@functools.cache
 def _hf_greedy(model_dir: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
@@ -207,9 +197,12 @@ def _check_bytes(result: dict, model_dir: str, check: str = "ranged") -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("model", MODELS)
 def test_greedy_tokens_and_weights_match_vllm_and_transformers(engines, vllm_models, model, tp):
-    runs = engines(f"tp{tp}")
-    ours, theirs = runs[(model, "raylazy")], runs[(model, "auto")]
-    assert ours["tokens"] == theirs["tokens"] == _hf_greedy(vllm_models[model])
+    """Greedy tokens equal transformers' (and at tp=1 those of an engine on vLLM's default loader; at tp=2 each
+    worker's weights are the default loader's, bit for bit, which makes the engine the default loader's)."""
+    ours = engines[(model, "raylazy", tp)]
+    assert ours["tokens"] == _hf_greedy(vllm_models[model])
+    if tp == 1:
+        assert ours["tokens"] == engines[(model, "auto", tp)]["tokens"]
     _same_weights(ours["checks"], "raylazy", tp)
 
 
@@ -217,21 +210,21 @@ def test_greedy_tokens_and_weights_match_vllm_and_transformers(engines, vllm_mod
 def test_mixtures_of_experts_load_as_vllm_loads_them(engines, vllm_models, model):
     """tp=2: every rank's weights as vLLM's default loader's, read together with the node or alone; greedy tokens
     equal transformers' (in float32; DeepSeek's bfloat16 engine is checked by its weights)."""
-    result = engines("tp2")[(model, "raylazy")]
+    result = engines[(model, "raylazy", 2)]
     for name in ("raylazy", "ranged", "exchange", "rerun"):
         _same_weights(result["checks"], name, 2)
     if model not in DTYPE:
         assert result["tokens"] == _hf_greedy(vllm_models[model])
 
 
-@pytest.mark.parametrize("group, model, tp", [("tp1", m, 1) for m in MODELS] + [("tp2", m, 2) for m in MODELS + MOE]
-                         + [("pp2", "vllm-qwen3moe", 4)])
-def test_each_rank_reads_only_its_bytes(engines, vllm_models, group, model, tp):
+@pytest.mark.parametrize("model, tp", [(m, 1) for m in MODELS] + [(m, 2) for m in MODELS + MOE] + [("vllm-qwen3moe", 4)])
+def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
     """Measured: with backend="ranged", each rank's read calls return its need, at most 1.05 x (experts read as
     slices: their tp part without expert parallelism, its own experts whole with it; a pipeline stage only its
-    layers), and each weight loader's use of every region was followed: the engine's own load replayed its
-    recording, with no region read at once for an op raylazy cannot follow."""
-    result = engines(group)[(model, "raylazy")]
+    layers: tp=4 is tp=2 x pp=2 with expert parallelism), and each weight loader's use of every region was
+    followed: the engine's own load replayed its recording, with no region read at once for an op raylazy
+    cannot follow."""
+    result = engines[(model, "raylazy", tp)]
     assert [c["line"]["backend"] for c in result["checks"]["ranged"]] == ["ranged"] * tp
     _check_bytes(result, vllm_models[model])
     if tp > 1:
@@ -244,7 +237,7 @@ def test_each_rank_reads_only_its_bytes(engines, vllm_models, group, model, tp):
 def test_expert_and_pipeline_parallel_weights_match_vllm(engines):
     """tp=2 x pp=2 with expert parallelism (Qwen3-MoE, experts fused on disk): every rank's weights as vLLM's
     default loader's (each stage's layers, each rank's experts)."""
-    result = engines("pp2")[("vllm-qwen3moe", "raylazy")]
+    result = engines[("vllm-qwen3moe", "raylazy", 4)]
     for name in ("raylazy", "ranged"):
         _same_weights(result["checks"], name, 4)
 
@@ -256,7 +249,7 @@ def test_a_node_reads_together(engines, vllm_models, model):
     reads a share of the node's union once and sends the other its bytes (over gloo here, as over NCCL on GPUs):
     measured, the workers' read calls together return the checkpoint's data once, however much of it both
     need (DeepSeek's replicated latent projections: more than 1.1 x the data)."""
-    result = engines("tp2")[(model, "raylazy")]
+    result = engines[(model, "raylazy", 2)]
     meta, data = _metadata_bytes(vllm_models[model]) + 4096, _data_bytes(vllm_models[model])
     coop = result["checks"]["raylazy"]
     assert [c["line"]["backend"] for c in coop] == ["cooperative"] * 2
@@ -273,7 +266,7 @@ def test_a_node_reads_together(engines, vllm_models, model):
 def test_a_rank_fed_another_ranks_bytes_fails_the_weight_check(engines, model):
     """The tests' broken loader (tests/vllm/peer_loader.py) feeds rank 0 each region's neighbour: its sharded
     weights differ from vLLM's own loader's (every kind of them), rank 1's do not: the weight check above can fail."""
-    checks = engines("tp2")[(model, "raylazy")]["checks"]
+    checks = engines[(model, "raylazy", 2)]["checks"]
     peer, ref = checks["peer"], checks["auto"]
     wrong = [n for n in ref[0]["digests"] if peer[0]["digests"][n] != ref[0]["digests"][n]]
     for kind in ("embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -286,7 +279,7 @@ def test_the_second_run_fallback_loads_the_same_weights(engines):
     """replay=False: the model's load_weights runs a second time over the regions read (the way taken where a
     recording cannot be replayed), and every rank's weights are vLLM's default loader's."""
     for model in MODELS:
-        checks = engines("tp2")[(model, "raylazy")]["checks"]
+        checks = engines[(model, "raylazy", 2)]["checks"]
         _same_weights(checks, "rerun", 2)
         assert [c["line"]["mode"] for c in checks["rerun"]] == ["rerun"] * 2
 
@@ -317,3 +310,56 @@ print("RESULT " + json.dumps(out))
     for extra, named in (('{"threads": 0}', "threads=0"), ('{"bogus": 1}', "bogus=1"),
                          ('{"backend": "nvme"}', "backend='nvme'"), ('{"replay": "no"}', "replay='no'")):
         assert out[extra].startswith("ConfigurationError: ") and named in out[extra], out[extra]
+
+
+RAY_WORKER = """
+import json, sys
+import ray
+
+@ray.remote(num_cpus=1)
+def serve(model, engine_kwargs, prompts, max_tokens):
+    # A Ray worker process as Ray starts it: nothing here imports raylazy; vLLM's plugin loading must find it.
+    import logging
+    imported = sorted(m for m in sys.modules if m.startswith("raylazy"))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vllm.raylazy").addHandler(handler)
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    load = AsyncEngineArgs(model=model, **engine_kwargs).create_load_config()  # as Ray Serve LLM builds it
+    llm = LLM(model=model, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    return {"imported_before": imported, "load_format": load.load_format, "extra": load.model_loader_extra_config,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs], "lines": lines}
+
+model, engine_kwargs, prompts, max_tokens = json.loads(sys.argv[1])
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # never another's cluster
+try:
+    print("RESULT " + json.dumps(ray.get(serve.remote(model, engine_kwargs, prompts, max_tokens))))
+finally:
+    ray.shutdown()
+"""
+
+
+def test_a_ray_worker_finds_the_format_and_takes_its_options_from_engine_kwargs(engines, vllm_python, vllm_models):
+    """In a Ray worker (a process Ray starts, which imports nothing of raylazy by hand), engine_kwargs as Ray Serve
+    LLM passes them to vLLM (`LLMConfig(engine_kwargs=...)` -> AsyncEngineArgs) select the format and its
+    options; the engine loads with raylazy (its log line, with the option) and generates the default loader's
+    tokens. (Ray Serve LLM and vLLM's Ray executor themselves cannot run on vLLM's CPU build: docs/vllm.md.)"""
+    model = vllm_models["vllm-llama"]
+    kwargs = {"load_format": "raylazy", "model_loader_extra_config": {"backend": "ranged", "threads": 2},
+              "dtype": "float32", "skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 128,
+              "max_num_seqs": len(PROMPTS), "seed": 0}
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    done = subprocess.run([vllm_python, "-c", RAY_WORKER, json.dumps([model, kwargs, PROMPTS, MAX_TOKENS])],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:]
+    out = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["imported_before"] == []
+    assert (out["load_format"], out["extra"]) == ("raylazy", kwargs["model_loader_extra_config"])
+    assert len(out["lines"]) == 1 and "backend=ranged" in out["lines"][0]
+    assert out["tokens"] == engines[("vllm-llama", "auto", 1)]["tokens"]

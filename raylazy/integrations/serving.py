@@ -75,11 +75,11 @@ class LazyStats:
 
 
 class Reads:
-    """Regions of one checkpoint read onto `device` with raylazy's readers; use as a context manager (it holds
-    the files open). Every read's statistics add up in `stats`."""
+    """Regions of one checkpoint read with raylazy's readers; use as a context manager (it holds the files open).
+    Every read's statistics add up in `stats`."""
 
-    def __init__(self, ckpt: Checkpoint, options: LazyOptions, device: str | torch.device = "cpu"):
-        self.ckpt, self.options, self.device = ckpt, options, torch.device(device)
+    def __init__(self, ckpt: Checkpoint, options: LazyOptions):
+        self.ckpt, self.options = ckpt, options
         self.files = tuple(map(FileRef.of, ckpt.files))
         self.stats = LazyStats()
         self._sources: dict[int, object] = {}
@@ -110,39 +110,41 @@ class Reads:
         """Rank `rank`'s plan for `regions`: one shard each, named after its tensor and box."""
         return RankPlan(rank=rank, mesh=mesh, files=self.files, tensors=tuple(self.shard(r, _name(r)) for r in regions))
 
-    def read(self, regions: list[Region], *, backend: str = "ranged", out: dict | None = None,
+    def read(self, regions: list[Region], *, backend: str = "ranged", device: str = "cpu", out: dict | None = None,
              node: NodeRead | None = None) -> dict[Region, torch.Tensor]:
-        """Each region's box as a tensor: read alone with `backend`, or as this process's part of a node read."""
+        """Each region's box as a tensor on `device`: read alone with `backend`, or as this process's part of a
+        node read."""
         if backend == "fastsafetensors":
-            return self._read_whole(regions)
+            return self._read_whole(regions, device)
         options = self.options.reader.model_copy(update={"backend": backend})
         plan = node.plan.ranks[node.local] if node else self.rank_plan(0, regions)
         files = sorted({r.file for t in plan.tensors for r in t.reads} | (node.files if node else set()))
         kw = dict(options=options, out={_name(r): t for r, t in (out or {}).items()}, sources=self.sources(files))
         if node is None:
-            got, stats = read_rank(plan, str(self.device), **kw)
+            got, stats = read_rank(plan, device, **kw)
         elif backend == "exchange":
             task = ExchangeTask.of(node.plan, node.schedule, node.address)
-            got, stats = read_rank_exchanged(plan, str(self.device), node=task, exchange=node.exchange, **kw)
+            got, stats = read_rank_exchanged(plan, device, node=task, exchange=node.exchange, **kw)
         else:
-            got, stats = read_rank(plan, str(self.device), node=NodeTask(node.load_id, node.schedule), **kw)
+            got, stats = read_rank(plan, device, node=NodeTask(node.load_id, node.schedule), **kw)
         with self._lock:
             self.stats.add_read(stats)
         return {r: got[_name(r)] for r in regions}
 
-    def _read_whole(self, regions: list[Region]) -> dict[Region, torch.Tensor]:
+    def _read_whole(self, regions: list[Region], device: str) -> dict[Region, torch.Tensor]:
         """fastsafetensors: every tensor a region is in read whole, once; the regions cut from it."""
         tensors = {r.tensor.name: Region.whole(r.file, r.tensor) for r in regions}
         plan = RankPlan(rank=0, mesh=Mesh(), files=self.files,
                         tensors=tuple(self.shard(w, name) for name, w in tensors.items()))
-        got, stats = read_rank(plan, str(self.device), options=self.options.reader, sources=self.sources(
+        got, stats = read_rank(plan, device, options=self.options.reader, sources=self.sources(
             sorted({w.file for w in tensors.values()})))
         with self._lock:
             self.stats.add_read(stats)
         return {r: got[r.tensor.name][tuple(slice(a, a + n) for a, n in zip(r.starts, r.sizes))] for r in regions}
 
     def read_alone(self, region: Region) -> torch.Tensor:
-        """One region, read at once by this process alone (an op raylazy cannot follow asked for it)."""
+        """One region, read at once by this process alone, on the CPU, where checkpoint tensors are (an op raylazy
+        cannot follow asked for it)."""
         return self.read([region], backend=solo_backend(self.options.reader.backend))[region]
 
 
@@ -223,15 +225,15 @@ class _Batch:
 
 
 class Serving:
-    """Reads the regions this process wants (`takes`: region -> times taken) in batches on a background thread
-    and hands them out (`take`, `copy_into`, `replay`). `out`: regions read straight into a destination.
-    `group`: the node's other processes, for the node backends. The reader stays at most `batches_ahead`
+    """Reads the regions this process wants (`takes`: region -> times taken) onto `device` in batches on a
+    background thread and hands them out (`take`, `copy_into`, `replay`). `out`: regions read straight into a
+    destination. `group`: the node's other processes, for the node backends. The reader stays at most `batches_ahead`
     batches beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context
     manager: leaving it stops the reader."""
 
     def __init__(self, reads: Reads, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
-                 group: NodeGroup | None = None):
-        self.reads, self.options, self.stats = reads, reads.options, reads.stats
+                 group: NodeGroup | None = None, device: str | torch.device = "cpu"):
+        self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
         self._left, self._out = dict(takes), dict(out or {})
         self.stats.regions, self.stats.bytes_needed = len(takes), sum(r.nbytes for r in takes)
         self.stats.in_place_bytes = sum(r.nbytes for r in self._out)
@@ -261,7 +263,7 @@ class Serving:
                    [(index[r.file, r.tensor.start], r.starts, r.sizes, held) for r, held in self._held().items()])
         peers = group.all_gather(me)
         node = [i for i, p in enumerate(peers) if p.node == me.node]
-        backend = backend_for(requested, len(node), str(self.reads.device), self.reads.files)
+        backend = backend_for(requested, len(node), self.device, self.reads.files)
         if backend not in NODE_BACKENDS:
             cuts = batch_cuts([self._held()], budget)
             return backend, [_Batch(b[0], None, len(b[0])) for b in cuts], nullcontext()
@@ -271,7 +273,7 @@ class Serving:
         first = peers[node[0]]
         batches = [self._node_batch(cut, node.index(group.rank), backend, first.load_id, b, first.address)
                    for b, cut in enumerate(batch_cuts(wants, budget))]
-        session = _exchange(batches, len(node), str(self.reads.device), self.options.reader.stripe_timeout_s) \
+        session = _exchange(batches, len(node), self.device, self.options.reader.stripe_timeout_s) \
             if backend == "exchange" else nullcontext()
         return backend, batches, session
 
@@ -307,7 +309,8 @@ class Serving:
                         if self._stop:
                             raise _Stopped
                     out = {r: self._out[r] for r in batch.regions if r in self._out}
-                    got = self.reads.read(batch.regions, backend=self.backend, out=out, node=batch.node)
+                    got = self.reads.read(batch.regions, backend=self.backend, device=self.device, out=out,
+                                          node=batch.node)
                     with self._cond:
                         self._ready.update(got)
                         batch.read = True

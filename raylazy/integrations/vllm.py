@@ -59,7 +59,7 @@ class RaylazyModelLoader(BaseModelLoader):
         t0, rchar0 = time.perf_counter(), _rchar()
         ckpt = _checkpoint(model_config)
         device = next(model.parameters()).device
-        with self.reads(ckpt, device) as reads:
+        with self.reads(ckpt) as reads:
             recording = Recording(reads.read_alone)
             with recording.watching():
                 loaded = model.load_weights(lazy_weights(ckpt, recording))
@@ -67,7 +67,8 @@ class RaylazyModelLoader(BaseModelLoader):
             replay = self.options.replay and recording.replayable
             out = in_place(recording.copies, device) if replay else {}
             takes = wanted(recording.copies, None if replay else recording.opaque)
-            with Serving(reads, takes, out, _workers()) as serving:
+            # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
+            with Serving(reads, takes, out, _workers(), device if replay else "cpu") as serving:
                 if replay:
                     serving.replay(recording.copies)
                 else:
@@ -83,9 +84,9 @@ class RaylazyModelLoader(BaseModelLoader):
             # the check vLLM's default loader makes: every parameter was loaded from the checkpoint
             DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded)
 
-    def reads(self, ckpt: Checkpoint, device: torch.device) -> Reads:
+    def reads(self, ckpt: Checkpoint) -> Reads:
         """What reads the worker's regions (the tests' broken loader, tests/vllm/peer_loader.py, overrides it)."""
-        return Reads(ckpt, self.options, device)
+        return Reads(ckpt, self.options)
 
 
 def _checkpoint(model_config: ModelConfig) -> Checkpoint:

@@ -3,10 +3,11 @@ prints, for each, `READY <n>` once the engine can serve (the loader's log lines 
 and then one line `RESULT` and JSON: the run, the greedy tokens of each prompt, and its checks.
 
 A run is a JSON object: `model`, `format`, `tp`, `pp` (default 1), `ep` (enable_expert_parallel), `dtype`
-(default float32), `extra` (model_loader_extra_config), `generate` (default true: vLLM's CPU build cannot
-generate with pipeline or expert parallelism, whatever the load format; false: no tokens) and `checks`: loads each worker of the engine also makes of a fresh copy of the
-model (the weights as the loader leaves them, before vLLM's CPU post-processing repacks the linear layers and
-empties their parameters), each `{"name", "format", "extra", "cold"}`. A check's result holds, per rank, a
+(default float32), `bind` (VLLM_CPU_OMP_THREADS_BIND for its workers; none: vLLM's own), `extra`
+(model_loader_extra_config), `generate` (default true: vLLM's CPU build cannot generate with pipeline or expert
+parallelism, whatever the load format; false: no tokens) and `checks`: loads each worker of the engine also
+makes of a fresh copy of the model (the weights as the loader leaves them, before vLLM's CPU post-processing
+repacks the linear layers and empties their parameters), each `{"name", "format", "extra", "cold"}`. A check's result holds, per rank, a
 sha256 of every parameter, the parameters' elements, and what the worker's process read during the loader's
 `load_weights`, measured from /proc/self/io (`rchar`: bytes its read calls returned; `read_bytes`: bytes it
 made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), and the
@@ -93,6 +94,10 @@ def evict(model: str) -> None:
 def run(spec: dict, n: int, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
+    if spec.get("bind"):  # the workers, started now, take it from the environment
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["bind"]
+    else:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     llm = LLM(model=spec["model"], load_format=spec["format"], tensor_parallel_size=spec["tp"],
               pipeline_parallel_size=spec.get("pp", 1), enable_expert_parallel=spec.get("ep", False),
               model_loader_extra_config=spec.get("extra", {}), dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True,

@@ -32,6 +32,6 @@ class NeighbourReads(Reads):
 class PeerBytesLoader(RaylazyModelLoader):
     """raylazy's loader with rank 0 fed another rank's bytes."""
 
-    def reads(self, ckpt, device):
+    def reads(self, ckpt):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return (NeighbourReads if rank == 0 else Reads)(ckpt, self.options, device)
+        return (NeighbourReads if rank == 0 else Reads)(ckpt, self.options)
