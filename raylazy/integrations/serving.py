@@ -198,7 +198,7 @@ class _Peer:
     wants: list[tuple[int, tuple, tuple, int]]
 
 
-def batch_cuts(wants: list[dict[Region, int]], budget: int) -> list[list[list[Region]]]:
+def batch_cuts(wants: list[dict[Region, int]], budget: float) -> list[list[list[Region]]]:
     """The node's regions in checkpoint order, cut into batches (batch -> process -> its regions) so that no
     process holds more than `budget` bytes (its regions' held bytes: 0 for those read in place) in one batch."""
     regions = sorted({r for w in wants for r in w}, key=lambda r: r.order)
@@ -227,9 +227,10 @@ class _Batch:
 class Serving:
     """Reads the regions this process wants (`takes`: region -> times taken) onto `device` in batches on a
     background thread and hands them out (`take`, `copy_into`, `replay`). `out`: regions read straight into a
-    destination. `group`: the node's other processes, for the node backends. The reader stays at most `batches_ahead`
-    batches beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context
-    manager: leaving it stops the reader."""
+    destination. `group`: the processes loading the checkpoint at once, for the node backends (making a Serving
+    is then a collective: every one of them makes its own). The reader stays at most `batches_ahead` batches
+    beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context manager:
+    leaving it stops the reader."""
 
     def __init__(self, reads: Reads, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
                  group: NodeGroup | None = None, device: str | torch.device = "cpu"):
@@ -258,9 +259,9 @@ class Serving:
         if group is None or group.size < 2 or requested not in ("auto", *NODE_BACKENDS):
             cuts = batch_cuts([self._held()], budget)
             return solo_backend(requested), [_Batch(b[0], None, len(b[0])) for b in cuts], nullcontext()
-        index = {(fi, t.start): i for i, (fi, t) in enumerate(self.reads.ckpt.tensors())}
+        index = {t.name: i for i, (_, t) in enumerate(self.reads.ckpt.tensors())}
         me = _Peer(node_key(), node_address("127.0.0.1"), uuid.uuid4().hex,
-                   [(index[r.file, r.tensor.start], r.starts, r.sizes, held) for r, held in self._held().items()])
+                   [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
         peers = group.all_gather(me)
         node = [i for i, p in enumerate(peers) if p.node == me.node]
         backend = backend_for(requested, len(node), self.device, self.reads.files)
@@ -271,14 +272,14 @@ class Serving:
         tensors = list(self.reads.ckpt.tensors())
         wants = [{Region(*tensors[i], starts, sizes): held for i, starts, sizes, held in peers[p].wants} for p in node]
         first = peers[node[0]]
-        batches = [self._node_batch(cut, node.index(group.rank), backend, first.load_id, b, first.address)
+        batches = [self._node_batch(cut, node.index(group.rank), first.load_id, b, first.address)
                    for b, cut in enumerate(batch_cuts(wants, budget))]
         session = _exchange(batches, len(node), self.device, self.options.reader.stripe_timeout_s) \
             if backend == "exchange" else nullcontext()
         return backend, batches, session
 
-    def _node_batch(self, cut: list[list[Region]], local: int, backend: str, load_id: str, b: int,
-                    address: str) -> _Batch:
+    def _node_batch(self, cut: list[list[Region]], local: int, load_id: str, b: int, address: str) -> _Batch:
+        """Batch `b` as local process `local` reads it with the node: every process's plan, the node's schedule."""
         mesh = Mesh(tp=len(cut))
         plans = tuple(self.reads.rank_plan(i, regions, mesh) for i, regions in enumerate(cut))
         plan = Plan(root=self.reads.ckpt.root, model_type=self.reads.ckpt.config.model_type, mesh=mesh,
