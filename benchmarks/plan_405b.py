@@ -78,8 +78,12 @@ def tensor_specs(layers: int = CONFIG["num_hidden_layers"]) -> list[tuple[str, t
     return specs
 
 
-def _nbytes(shape: tuple[int, ...]) -> int:
-    n = BF16
+#: Bytes per element of the dtypes the sparse checkpoints hold.
+DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str = "BF16") -> int:
+    n = DTYPE_BYTES[dtype]
     for d in shape:
         n *= d
     return n
@@ -105,18 +109,20 @@ def write_checkpoint(out_dir: str, layers: int = CONFIG["num_hidden_layers"], nu
     return write_sparse_checkpoint(out_dir, tensor_specs(layers), {**CONFIG, "num_hidden_layers": layers}, num_files)
 
 
-def write_sparse_checkpoint(out_dir: str, specs: list[tuple[str, tuple[int, ...]]], config: dict, num_files: int) -> dict:
-    """Write bf16 tensors `specs` over `num_files` sparse shards (real headers, data a hole), the index and
-    `config` as config.json to `out_dir`; returns sizes for cross-checking a benchmark."""
+def write_sparse_checkpoint(out_dir: str, specs: list[tuple], config: dict, num_files: int) -> dict:
+    """Write tensors `specs` ((name, shape) in bf16, or (name, shape, dtype)) over `num_files` sparse shards (real
+    headers, data a hole), the index and `config` as config.json to `out_dir`; returns sizes for cross-checking
+    a benchmark."""
     os.makedirs(out_dir, exist_ok=True)
-    sizes = [_nbytes(s) for _, s in specs]
+    specs = [(s[0], s[1], s[2] if len(s) > 2 else "BF16") for s in specs]
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in specs]
     starts = _partition(sizes, num_files) + [len(specs)]
     weight_map, header_bytes, data_bytes = {}, 0, 0
     for f in range(num_files):
         fname = f"model-{f + 1:05d}-of-{num_files:05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for (name, shape), size in zip(specs[starts[f] : starts[f + 1]], sizes[starts[f] : starts[f + 1]]):
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        for (name, shape, dtype), size in zip(specs[starts[f] : starts[f + 1]], sizes[starts[f] : starts[f + 1]]):
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
             weight_map[name] = fname
             offset += size
         blob = json.dumps(header, separators=(",", ":")).encode()

@@ -1,14 +1,18 @@
-"""Benchmark: planning a DeepSeek-V3-shaped checkpoint for tp=8 x pp=2 with expert parallel, from headers alone.
+"""Benchmark: planning DeepSeek-V3 as released, for tp=8 x pp=2 with expert parallel, from headers alone.
 
-Writes the checkpoint as sparse files, as benchmarks/plan_405b.py does: DeepSeek-V3's tensor names and shapes
-(61 layers, the first 3 dense, then 256 routed experts and one shared expert per layer, multi-head latent
-attention; about 671 B parameters), in bf16 (the released checkpoint is fp8 with block scales) over 163 shards
-with an index and config.json. Then it times `make_plan(dir, tp=8, pp=2, expert_parallel=True)`, counts the
-bytes planning reads (`rchar`: headers, index and config.json only) and prints each rank's bytes, with their
-min, max and mean.
+Writes the checkpoint as sparse files, as benchmarks/plan_405b.py does, with deepseek-ai/DeepSeek-V3's tensor
+names, shapes and dtypes (61 layers, the first 3 dense, then 256 routed experts and one shared expert per
+layer, multi-head latent attention): every linear layer but the router FP8 (F8_E4M3) beside its F32 128x128
+block scales (`weight_scale_inv`), the rest bf16, and the multi-token-prediction layer 61 after the last
+(91,991 tensors, as the release's index lists them) over 163 shards with an index and a config.json holding its
+quantization_config. Then it times `make_plan(dir, tp=8, pp=2, expert_parallel=True)` (the MTP layer skipped,
+as vLLM's main model skips it), counts the bytes planning reads (`rchar`: headers, index and config.json only)
+and prints each rank's bytes, with their min, max and mean. `--layout bf16` writes the layout planned before
+quantized checkpoints were (bf16, no scales, no MTP layer: 45,395 tensors).
 
     python benchmarks/plan_deepseek.py                  # full size: tp=8, pp=2, expert parallel
     python benchmarks/plan_deepseek.py --layers 6 --files 9 --tp 4
+    python benchmarks/plan_deepseek.py --layout bf16
 
 Target: planning under 1 s of CPU time (single-threaded; the wall time on a shared machine also measures
 the neighbours).
@@ -39,6 +43,7 @@ CONFIG = {
     "num_experts_per_tok": 8,
     "first_k_dense_replace": 3,
     "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
     "num_attention_heads": 128,
     "num_key_value_heads": 128,
     "q_lora_rank": 1536,
@@ -49,47 +54,81 @@ CONFIG = {
     "vocab_size": 129280,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
 }
 NUM_FILES = 163
+BLOCK = 128
 
 
-def tensor_specs(layers: int = CONFIG["num_hidden_layers"], experts: int = CONFIG["n_routed_experts"]) -> list:
-    """(name, shape) of every tensor, layer by layer."""
-    c = CONFIG
-    h, heads, v = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
-    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    mlp = lambda p, i: [(p + "gate_proj.weight", (i, h)), (p + "up_proj.weight", (i, h)),  # noqa: E731
-                        (p + "down_proj.weight", (h, i))]
+def _linear(name: str, shape: tuple[int, int], fp8: bool) -> list[tuple]:
+    """A linear layer's weight, and with fp8 its block scales beside it, as the release stores them."""
+    if not fp8:
+        return [(name, shape)]
+    return [(name, shape, "F8_E4M3"), (name + "_scale_inv", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), "F32")]
+
+
+def _layer(n: int, fp8: bool, experts: int) -> list[tuple]:
+    """Decoder layer n's tensors: attention, then a dense MLP (the first layers) or routed and shared experts."""
+    c, p = CONFIG, f"model.layers.{n}."
+    h, heads, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    mlp = lambda q, i: (_linear(q + "gate_proj.weight", (i, h), fp8) + _linear(q + "up_proj.weight", (i, h), fp8)  # noqa: E731
+                        + _linear(q + "down_proj.weight", (h, i), fp8))
+    specs = [(p + "input_layernorm.weight", (h,))]
+    specs += _linear(p + "self_attn.q_a_proj.weight", (c["q_lora_rank"], h), fp8)
+    specs += [(p + "self_attn.q_a_layernorm.weight", (c["q_lora_rank"],))]
+    specs += _linear(p + "self_attn.q_b_proj.weight", (heads * qk, c["q_lora_rank"]), fp8)
+    specs += _linear(p + "self_attn.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h), fp8)
+    specs += [(p + "self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],))]
+    specs += _linear(p + "self_attn.kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+                                                         c["kv_lora_rank"]), fp8)
+    specs += _linear(p + "self_attn.o_proj.weight", (h, heads * c["v_head_dim"]), fp8)
+    specs += [(p + "post_attention_layernorm.weight", (h,))]
+    if n < c["first_k_dense_replace"]:
+        return specs + mlp(p + "mlp.", c["intermediate_size"])
+    i = c["moe_intermediate_size"]
+    specs += [(p + "mlp.gate.weight", (experts, h)),
+              (p + "mlp.gate.e_score_correction_bias", (experts,), "F32" if fp8 else "BF16")]
+    for e in range(experts):
+        specs += mlp(p + f"mlp.experts.{e}.", i)
+    return specs + mlp(p + "mlp.shared_experts.", i * c["n_shared_experts"])
+
+
+def tensor_specs(layers: int = CONFIG["num_hidden_layers"], experts: int = CONFIG["n_routed_experts"],
+                 layout: str = "fp8") -> list[tuple]:
+    """(name, shape[, dtype]) of every tensor, layer by layer; with the fp8 layout, the MTP layer after the last."""
+    c, fp8 = CONFIG, layout == "fp8"
+    h, v = c["hidden_size"], c["vocab_size"]
     specs = [("model.embed_tokens.weight", (v, h))]
     for n in range(layers):
-        p = f"model.layers.{n}."
-        specs += [
-            (p + "input_layernorm.weight", (h,)),
-            (p + "self_attn.q_a_proj.weight", (c["q_lora_rank"], h)),
-            (p + "self_attn.q_a_layernorm.weight", (c["q_lora_rank"],)),
-            (p + "self_attn.q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
-            (p + "self_attn.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)),
-            (p + "self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],)),
-            (p + "self_attn.kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
-            (p + "self_attn.o_proj.weight", (h, heads * c["v_head_dim"])),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-        if n < c["first_k_dense_replace"]:
-            specs += mlp(p + "mlp.", c["intermediate_size"])
-            continue
-        i = c["moe_intermediate_size"]
-        specs += [(p + "mlp.gate.weight", (experts, h)), (p + "mlp.gate.e_score_correction_bias", (experts,))]
-        for e in range(experts):
-            specs += mlp(p + f"mlp.experts.{e}.", i)
-        specs += mlp(p + "mlp.shared_experts.", i * c["n_shared_experts"])
-    specs += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
-    return specs
+        specs += _layer(n, fp8, experts)
+    if fp8:  # multi-token prediction: a MoE decoder layer with its own norms, projection, embeddings and head
+        p = f"model.layers.{layers}."
+        specs += _layer(layers, fp8, experts)
+        specs += [(p + "embed_tokens.weight", (v, h)), (p + "enorm.weight", (h,)), (p + "hnorm.weight", (h,)),
+                  (p + "eh_proj.weight", (h, 2 * h)), (p + "shared_head.norm.weight", (h,)),
+                  (p + "shared_head.head.weight", (v, h))]
+    return specs + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def write_checkpoint(out_dir: str, layers: int = CONFIG["num_hidden_layers"], num_files: int = NUM_FILES) -> dict:
+def write_checkpoint(out_dir: str, layers: int = CONFIG["num_hidden_layers"], num_files: int = NUM_FILES,
+                     layout: str = "fp8") -> dict:
     """Write the sparse checkpoint to `out_dir`; returns sizes for cross-checking the benchmark."""
-    info = write_sparse_checkpoint(out_dir, tensor_specs(layers), {**CONFIG, "num_hidden_layers": layers}, num_files)
-    return {**info, "parameters": info["data_bytes"] // 2}
+    specs = tensor_specs(layers, layout=layout)
+    config = {**CONFIG, "num_hidden_layers": layers}
+    if layout != "fp8":
+        config = {k: v for k, v in config.items() if k not in ("quantization_config", "num_nextn_predict_layers")}
+    info = write_sparse_checkpoint(out_dir, specs, config, num_files)
+    weights = [s for s in specs if not s[0].endswith("_scale_inv")]
+    return {**info, "parameters": sum(_numel(s[1]) for s in weights),
+            "mtp_tensors": sum(s[0].startswith(f"model.layers.{layers}.") for s in specs)}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, out=print) -> dict:
@@ -102,7 +141,8 @@ def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, out
     needed = [rp.stats.bytes_needed for rp in plan.ranks]
 
     out(f"checkpoint: {info['tensors']:,} tensors in {info['files']} files, {info['parameters'] / 1e9:,.1f} B "
-        f"parameters, {_gb(info['data_bytes'])} of data (sparse); tp={tp} x pp={pp}, expert parallel")
+        f"parameters, {_gb(info['data_bytes'])} of data (sparse); tp={tp} x pp={pp}, expert parallel; "
+        f"{len(plan.skipped):,} tensors skipped (the multi-token-prediction layer: {info['mtp_tensors']:,})")
     out("")
     out(f"{'rank':>4} {'stage':>5} {'tp rank':>7} {'tensors':>8} {'bytes':>12} {'requests':>9} {'files':>6}")
     for rp in plan.ranks:
@@ -129,8 +169,10 @@ def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, out
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, CONFIG["num_hidden_layers"], NUM_FILES)
     ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--layout", choices=["fp8", "bf16"], default="fp8",
+                    help="fp8: as released (block scales, the MTP layer); bf16: without them")
     args = ap.parse_args(argv)
-    return on_checkpoint(args, "plan-deepseek-", write_checkpoint,
+    return on_checkpoint(args, "plan-deepseek-", lambda d, n, f: write_checkpoint(d, n, f, args.layout),
                          lambda d, info: run(d, info, args.tp, args.pp, args.runs))
 
 

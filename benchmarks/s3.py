@@ -1,18 +1,26 @@
-"""raylazy against the Run:ai model streamer's S3 mode on one local S3-compatible server (moto behind the counting
-proxy of benchmarks/s3server.py): per rank, seconds, bytes fetched and requests.
+"""raylazy beside the Run:ai model streamer's S3 mode and a plain sequential GET of the same bytes, on SeaweedFS
+behind the counting proxy of benchmarks/s3server.py: per rank alone and per node (ranks sharing it), seconds,
+GB/s, bytes fetched / needed and requests; and the planning's requests.
 
     python -m benchmarks.s3                                   # ~0.34 GB Llama-shaped checkpoint, tp 1, 2, 4
-    python -m benchmarks.s3 --size-gb 0.3 --tp 1 2 4 --out bench-s3
-    python -m benchmarks.s3 --tp 1 --first-byte-ms 30 --connection-mbps 5   # a store slow per connection
+    python -m benchmarks.s3 --tp 2 4 --repeat 2 --out bench-s3
+    python -m benchmarks.s3 --first-byte-ms 30 --connection-mbps 50     # a remote store, emulated by the proxy
+    python -m benchmarks.s3 --extremes --tp 2 4               # also every row-split read whole / row by row
+    python -m benchmarks.s3 --plan-before /path/to/an/older/checkout     # its planning's requests, for comparison
 
-Each rank runs in a fresh process, one rank at a time, so the proxy's counts are that rank's alone; its time is
-the load call only (not starting Python or importing torch). Loaders: `raylazy` (`read_rank` of its plan,
-default object-storage max_gap: 1 MiB), `runai` (`SafetensorsStreamer` over the s3:// files, then each tensor
-cut to the rank's shard) and, only when asked (`--loaders`), `raylazy-gap0` (max_gap=0: exactly the needed
-bytes, at one request per row: ~12,000 per rank at tp=2 here, minutes against moto, which copies the object to
-serve each range). Every rank's shards
-must be bit-identical across loaders (sha1 per shard), else the run fails. Planning (the driver's header
-reads) is counted on its own line.
+Loaders, each rank in a fresh process and one process (or node) at a time, so the proxy's counts are its own;
+seconds are the load call only (not starting Python or importing torch):
+  raylazy        a rank alone: `read_rank_ranged` of its plan (row-split reads whole or row by row, as the
+                 storage's cost model estimates sooner; the `est. s` column is that model's estimate);
+                 a node: its ranks' processes share the node's reads (`read_rank_exchanged`, gloo).
+  runai          `SafetensorsStreamer` over the s3:// files, each tensor then cut to the rank's shard; a node:
+                 its distributed mode (RUNAI_STREAMER_DIST=1 over gloo: each process reads a part, broadcasts).
+  get            one plain sequential GET stream (obstore) of as many bytes as the rank needs (a node: of every
+                 file, the node's union): the physical limit here. `get (direct)`: the same, not through the proxy.
+  raylazy-exact, raylazy-whole (`--extremes`, rank 0)  max_gap=0 (the needed bytes, one request per row) and every
+                 row-split read fetched whole, with the cost model's estimate of each.
+Before the loaders the store's rates are measured (`Bench.calibrate`) and given to raylazy's cost model.
+Shards must be bit-identical across loaders (sha1 per rank), else the run fails. A node's time is its slowest rank.
 """
 
 from __future__ import annotations
@@ -25,35 +33,91 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
 
-LOADERS = ("raylazy", "raylazy-gap0", "runai")
-DEFAULT_LOADERS = ("raylazy", "runai")
 BUCKET = "bench"
+ALONE = ("raylazy", "runai", "get")
+EXTREMES = ("raylazy-exact", "raylazy-whole")
+NODE = ("raylazy", "runai", "get")
+_GAPS = {"raylazy": None, "raylazy-exact": 0, "raylazy-whole": 1 << 40}
 
 
-def _worker(loader: str, plan_path: str, rank: int, options: dict) -> dict:
+def _worker(spec: dict) -> dict:
     import torch
 
     from raylazy.core.plans import Plan
 
+    with open(spec["plan"]) as f:
+        plan = Plan.from_json(f.read())
+    rp, world = plan.ranks[spec["rank"]], spec.get("world", 0)
+    import obstore  # noqa: F401  (imported before the clock starts, as every loader's modules)
+    import runai_model_streamer  # noqa: F401
+
+    import raylazy.io.exchange  # noqa: F401
+    import raylazy.io.ranged  # noqa: F401
+
+    if world and spec["loader"] == "runai":
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://{spec['address']}", rank=spec["rank"],
+                                             world_size=world)
+    if world:
+        _barrier(spec["barrier"], spec["rank"], world)
+    t0 = time.perf_counter()
+    shards = _load(torch, spec["loader"], plan, rp, spec)
+    seconds = time.perf_counter() - t0
+    if shards is None:
+        return {"seconds": seconds, "digest": None}
     from .loaders import impls
 
-    with open(plan_path) as f:
-        plan = Plan.from_json(f.read())
-    rp = plan.ranks[rank]
-    t0 = time.perf_counter()
-    if loader == "runai":
-        shards = impls.load_runai(torch, rp, [f.uri for f in plan.files])
-    else:
-        from raylazy.core.options import ReaderOptions
-        from raylazy.io.ranged import read_rank_ranged
-
-        shards, _ = read_rank_ranged(rp, "cpu", options=ReaderOptions(storage_options=options))
-    seconds = time.perf_counter() - t0
     sums = impls.checksums(shards)
     return {"seconds": seconds, "digest": hashlib.sha1(json.dumps(sums, sort_keys=True).encode()).hexdigest()}
+
+
+def _barrier(prefix: str, rank: int, world: int) -> None:
+    """Wait until the node's `world` processes have all started (each leaves a file), so a node's clock starts
+    once every process has imported its modules, not while one is still starting."""
+    open(f"{prefix}.{rank}", "w").close()
+    while not all(os.path.exists(f"{prefix}.{r}") for r in range(world)):
+        time.sleep(0.01)
+
+
+def _load(torch, loader: str, plan, rp, spec: dict):
+    from raylazy.core.options import ReaderOptions
+
+    from .loaders import impls
+
+    options = ReaderOptions(storage_options=spec["options"])
+    if loader == "get":
+        _plain_get(plan, spec["options"], spec["get_bytes"])
+        return None
+    if loader == "runai":
+        return impls.load_runai(torch, rp, [f.uri for f in plan.files], distributed=bool(spec.get("world")))
+    if spec.get("world"):
+        from raylazy.io.exchange import ExchangeTask, read_rank_exchanged
+
+        task = ExchangeTask.of(plan, plan.nodes[0], spec["address"])
+        return read_rank_exchanged(rp, "cpu", node=task, options=options)[0]
+    from raylazy.io.ranged import read_rank_ranged
+
+    return read_rank_ranged(rp, "cpu", options=options)[0]
+
+
+def _plain_get(plan, options: dict, nbytes: int) -> None:
+    """GET the files' first `nbytes` bytes (laid end to end), one file after another, one stream."""
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(BUCKET, endpoint=options["endpoint"], allow_http=True, access_key_id=options["access_key_id"],
+                    secret_access_key=options["secret_access_key"], region=options["region"])
+    for f in plan.files:
+        n = min(nbytes, f.size)
+        if n <= 0:
+            break
+        got = sum(len(c) for c in obstore.get(store, f.uri.split(f"{BUCKET}/", 1)[1],
+                                              options={"range": (0, n)}).stream(min_chunk_size=8 << 20))
+        assert got == n, (f.uri, got, n)
+        nbytes -= n
 
 
 def _env(server) -> dict:
@@ -61,84 +125,201 @@ def _env(server) -> dict:
     return dict(os.environ, AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="testing",
                 AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true",
                 AWS_EC2_METADATA_DISABLED="true", RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
-                RUNAI_STREAMER_S3_TIMEOUT="600")  # its default timed requests out against this slow local server
+                RUNAI_STREAMER_DIST="1", RUNAI_STREAMER_S3_TIMEOUT="600")
 
 
-def run(model_dir: str, tps: list[int], out: str, loaders=DEFAULT_LOADERS, first_byte_s: float = 0.0,
-        connection_bps: float = 0.0, log=print) -> list[dict]:
-    from raylazy.planning import make_plan
+def _spawn(specs: list[dict], env: dict) -> list[dict]:
+    """Run the worker of each spec in a process of its own, all at once; their results."""
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.s3", "--worker", json.dumps(s)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in specs]
+    outs = [p.communicate(timeout=1800) for p in procs]
+    for spec, p, (_, err) in zip(specs, procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"{spec['loader']} rank {spec['rank']} failed:\n{err[-3000:]}")
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
 
+
+class Bench:
+    """One server, one checkpoint in it; rows measured in turn."""
+
+    def __init__(self, server, uri: str, options: dict, out: str, log=print):
+        self.server, self.uri, self.options, self.out, self.log = server, uri, options, out, log
+        self.env, self.rows, self.digests = _env(server), [], {}
+
+    def plan(self, tp: int, loader: str, nodes: bool = False):
+        from raylazy.core.schedule import with_node_schedules
+        from raylazy.planning import make_plan
+
+        plan = make_plan(self.uri, tp, storage_options=self.options, max_gap=_GAPS.get(loader))
+        if nodes:
+            plan = with_node_schedules(plan, ["node"] * tp)
+        path = os.path.join(self.out, f"plan-{loader}-tp{tp}{'-node' if nodes else ''}.json")
+        with open(path, "w") as f:
+            f.write(plan.to_json())
+        return plan, path
+
+    def planning(self, tp: int, before: str | None) -> None:
+        """Requests and bytes of planning (the driver's discovery and header reads), and of an older checkout's."""
+        for label, root in [("plan", None)] + ([("plan (before)", before)] if before else []):
+            self.server.reset()
+            if root is None:
+                self.plan(tp, "raylazy")
+            else:
+                code = (f"from raylazy.planning import make_plan; make_plan({self.uri!r}, {tp}, "
+                        f"storage_options={self.options!r})")
+                subprocess.run([sys.executable, "-c", code], env=dict(self.env, PYTHONPATH=root), cwd=root, check=True)
+            c = self.server.reset()
+            self._row(dict(loader=label, mode="driver", tp=tp, rank="-", seconds=None, needed=0,
+                           bytes=sum(r.body_bytes for r in c.requests), requests=len(c.requests),
+                           in_flight=c.most_in_flight))
+
+    def alone(self, tp: int, rank: int, loader: str) -> None:
+        plan, path = self.plan(tp, loader if loader.startswith("raylazy") else "raylazy")
+        rp = plan.ranks[rank]
+        spec = dict(loader=loader, plan=path, rank=rank, options=self.options, get_bytes=rp.stats.bytes_needed)
+        self.server.reset()
+        (res,) = _spawn([spec], self.env)
+        self._count(res, dict(loader=loader, mode="rank", tp=tp, rank=rank, needed=rp.stats.bytes_needed,
+                              estimate=self._estimate(rp) if loader.startswith("raylazy") else None), (tp, rank))
+
+    def node(self, tp: int, loader: str) -> None:
+        from raylazy.io.collective import node_address
+
+        plan, path = self.plan(tp, "raylazy", nodes=loader == "raylazy")
+        address = node_address("127.0.0.1")
+        union = sum(f.size for f in plan.files)
+        barrier = os.path.join(self.out, f"ready-{time.monotonic_ns()}")
+        specs = [dict(loader=loader, plan=path, rank=r, world=tp, address=address, barrier=barrier,
+                      options=self.options, get_bytes=union) for r in range(1 if loader == "get" else tp)]
+        if loader == "get":
+            specs[0].pop("world")
+        self.server.reset()
+        results = _spawn(specs, self.env)
+        for r, res in enumerate(results):
+            if res["digest"]:
+                self.digests.setdefault((tp, r), set()).add(res["digest"])
+        slowest = max(results, key=lambda res: res["seconds"])
+        self._count(dict(slowest, digest=None), dict(loader=loader, mode="node", tp=tp, rank=f"0-{tp - 1}",
+                                                     needed=union if loader == "get" else plan.bytes_needed))
+
+    def direct_get(self, tp: int) -> None:
+        """The node's union by one plain GET stream straight from SeaweedFS (what the proxy costs)."""
+        plan, path = self.plan(tp, "raylazy")
+        union = sum(f.size for f in plan.files)
+        options = dict(self.options, endpoint=self.server.direct)
+        (res,) = _spawn([dict(loader="get", plan=path, rank=0, options=options, get_bytes=union)], self.env)
+        self._row(dict(loader="get (direct)", mode="node", tp=tp, rank="-", seconds=res["seconds"], needed=union,
+                       bytes=union, requests=len(plan.files), in_flight=1))
+
+    def calibrate(self) -> None:
+        """The store's rates, given to raylazy's cost model as storage options (as a user who knows the store would):
+        `bandwidth`, the bytes a second of one plain GET stream of every file; `request_rate`, the GETs a second of
+        a burst of small ones, 32 at once. (Its latency it measures itself on the planning's GETs.)"""
+        import obstore
+        from obstore.store import S3Store
+
+        plan, path = self.plan(1, "raylazy")
+        union = sum(f.size for f in plan.files)
+        (res,) = _spawn([dict(loader="get", plan=path, rank=0, options=self.options, get_bytes=union)], self.env)
+        store = S3Store(BUCKET, endpoint=self.options["endpoint"], allow_http=True, **self.server.credentials)
+        key, n, span = plan.files[0].uri.split(f"{BUCKET}/", 1)[1], 1000, max(1, plan.files[0].size // 4096)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda i: obstore.get(store, key, options={"range": (i % span * 4096, i % span * 4096 + 4096)})
+                          .bytes(), range(n)))
+        rate = n / (time.perf_counter() - t0)
+        self.options = dict(self.options, bandwidth=union / res["seconds"], request_rate=rate)
+        self.server.reset()
+        self.log(f"calibrated: bandwidth {union / res['seconds'] / 1e9:.2f} GB/s, {rate:.0f} GETs/s")
+
+    def _estimate(self, rp) -> float:
+        from raylazy.storage import storage_for
+
+        return storage_for(self.uri, self.options).cost_model().rank_seconds(rp)
+
+    def _count(self, res: dict, row: dict, key=None) -> None:
+        c = self.server.reset()
+        if key and res["digest"]:
+            self.digests.setdefault(key, set()).add(res["digest"])
+        self._row(dict(row, seconds=res["seconds"], bytes=c.get_bytes(), requests=len(c.requests),
+                       in_flight=c.most_in_flight))
+
+    def _row(self, row: dict) -> None:
+        self.rows.append(row)
+        self.log(_line(row))
+
+    def check(self) -> None:
+        bad = sorted(k for k, d in self.digests.items() if len(d) != 1)
+        if bad:
+            raise RuntimeError(f"loaders disagree on the shards of (tp, rank) {bad}")
+
+
+def run(model_dir: str, tps: list[int], out: str, repeat: int = 1, extremes: bool = False, nodes: bool = True,
+        first_byte_s: float = 0.0, connection_bps: float = 0.0, plan_before: str | None = None,
+        log=print) -> list[dict]:
     from .s3server import S3Server
 
     server = S3Server()
     server.first_byte_s, server.connection_bps = first_byte_s, connection_bps
-    rows = []
     try:
         uri = server.upload_dir(model_dir, BUCKET, "model")
-        options = dict(endpoint=server.endpoint, allow_http="true", **server.credentials)
-        env = _env(server)
+        bench = Bench(server, uri, dict(endpoint=server.endpoint, allow_http="true", **server.credentials), out, log)
         for tp in tps:
-            digests: dict[int, set] = {}
-            for loader in loaders:
-                server.reset()
-                plan = make_plan(uri, tp, storage_options=options, max_gap=0 if loader == "raylazy-gap0" else None)
-                planned = server.reset()
-                if loader != "runai":
-                    rows.append(dict(loader=f"{loader} (plan, driver)", tp=tp, rank="-", seconds=None,
-                                     needed=0, bytes=planned.get_bytes(), requests=len(planned.requests),
-                                     in_flight=planned.most_in_flight))
-                path = os.path.join(out, f"plan-{loader}-tp{tp}.json")
-                with open(path, "w") as f:
-                    f.write(plan.to_json())
-                for rank in range(tp):
-                    server.reset()
-                    proc = subprocess.run([sys.executable, "-m", "benchmarks.s3", "--worker", loader, path, str(rank),
-                                           json.dumps(options)], env=env, capture_output=True, text=True, timeout=1800)
-                    counts = server.reset()
-                    if proc.returncode:
-                        raise RuntimeError(f"{loader} tp={tp} rank {rank} failed:\n{proc.stderr[-3000:]}")
-                    res = json.loads(proc.stdout.strip().splitlines()[-1])
-                    digests.setdefault(rank, set()).add(res["digest"])
-                    row = dict(loader=loader, tp=tp, rank=rank, seconds=res["seconds"],
-                               needed=plan.ranks[rank].stats.bytes_needed, bytes=counts.get_bytes(),
-                               requests=len(counts.requests), in_flight=counts.most_in_flight)
-                    rows.append(row)
-                    log(f"{loader:>13} tp={tp} rank {rank}: {row['seconds']:.2f} s, {row['bytes'] / 1e6:.1f} MB "
-                        f"({row['bytes'] / row['needed']:.2f} x needed) in {row['requests']} requests, "
-                        f"at most {row['in_flight']} at once")
-            bad = {r: d for r, d in digests.items() if len(d) != 1}
-            if bad:
-                raise RuntimeError(f"tp={tp}: loaders disagree on the shards of rank(s) {sorted(bad)}")
+            bench.planning(tp, plan_before)
+        bench.calibrate()
+        for tp in tps:
+            for rank in range(tp):
+                for _ in range(repeat):  # alternating: each loader in turn, then again
+                    for loader in ALONE + (EXTREMES if extremes and rank == 0 else ()):
+                        bench.alone(tp, rank, loader)
+            for _ in range(repeat if nodes and tp > 1 else 0):
+                for loader in NODE:
+                    bench.node(tp, loader)
+            if nodes and tp > 1 and not first_byte_s and not connection_bps:
+                bench.direct_get(tp)
+        bench.check()
     finally:
         server.close()
-    return rows
+    return bench.rows
+
+
+def _line(r: dict) -> str:
+    secs = f"{r['seconds']:.2f} s" if r["seconds"] is not None else "-"
+    rate = f", {r['needed'] / r['seconds'] / 1e9:.2f} GB/s" if r["seconds"] and r["needed"] else ""
+    return (f"{r['loader']:>14} {r['mode']:>6} tp={r['tp']} rank {r['rank']}: {secs}{rate}, {r['bytes'] / 1e6:.1f} MB "
+            f"in {r['requests']} requests (at most {r['in_flight']} at once)")
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| loader | tp | rank | seconds | MB needed | MB fetched | x needed | requests | most in flight |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| loader | per | tp | rank | seconds | est. s | GB/s | MB needed | MB fetched | x needed | requests | "
+             "most in flight |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         secs = f"{r['seconds']:.2f}" if r["seconds"] is not None else ""
-        ratio = f"{r['bytes'] / r['needed']:.2f}" if r["needed"] else ""
+        est = f"{r['estimate']:.2f}" if r.get("estimate") is not None else ""
+        rate = f"{r['needed'] / r['seconds'] / 1e9:.2f}" if r["seconds"] and r["needed"] else ""
         needed = f"{r['needed'] / 1e6:.1f}" if r["needed"] else ""
-        lines.append(f"| {r['loader']} | {r['tp']} | {r['rank']} | {secs} | {needed} | {r['bytes'] / 1e6:.1f} | "
-                     f"{ratio} | {r['requests']} | {r['in_flight']} |")
+        ratio = f"{r['bytes'] / r['needed']:.2f}" if r["needed"] else ""
+        lines.append(f"| {r['loader']} | {r['mode']} | {r['tp']} | {r['rank']} | {secs} | {est} | {rate} | {needed} | "
+                     f"{r['bytes'] / 1e6:.1f} | {ratio} | {r['requests']} | {r['in_flight']} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        print(json.dumps(_worker(argv[1], argv[2], int(argv[3]), json.loads(argv[4]))))
+        print(json.dumps(_worker(json.loads(argv[1]))))
         return 0
     p = argparse.ArgumentParser(prog="python -m benchmarks.s3", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", nargs="?", help="a checkpoint directory (default: a generated one)")
     p.add_argument("--size-gb", type=float, default=0.3)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(DEFAULT_LOADERS))
-    p.add_argument("--first-byte-ms", type=float, default=0.0, help="the server waits this long before each answer")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the alternating loaders")
+    p.add_argument("--extremes", action="store_true", help="also raylazy-exact and raylazy-whole, a rank alone")
+    p.add_argument("--no-nodes", action="store_true", help="only ranks alone")
+    p.add_argument("--first-byte-ms", type=float, default=0.0, help="the proxy waits this long before each answer")
     p.add_argument("--connection-mbps", type=float, default=0.0, help="MB/s each response is sent at (0: as fast as it can)")
+    p.add_argument("--plan-before", default=None, help="an older checkout whose planning's requests to count too")
     p.add_argument("--out", default=None, help="directory for the plans, results.json and results.md")
     args = p.parse_args(argv)
     model_dir = args.model_dir or ensure_checkpoint(ModelSpec(vocab=8000, size_gb=args.size_gb, shard_size="100MB"))
@@ -146,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     size = sum(os.path.getsize(f) for f in checkpoint_files(model_dir))
     print(f"checkpoint {model_dir}: {len(checkpoint_files(model_dir))} files, {size / 1e9:.2f} GB; results in {out}")
-    rows = run(model_dir, args.tp, out, args.loaders, args.first_byte_ms / 1e3, args.connection_mbps * 1e6)
+    rows = run(model_dir, args.tp, out, args.repeat, args.extremes, not args.no_nodes, args.first_byte_ms / 1e3,
+               args.connection_mbps * 1e6, args.plan_before)
     md = table(rows)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -48,6 +48,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                    help="layers per stage (default: vLLM's even split, the remainder to the stages before the last)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="routed MoE experts whole to the tp ranks of their stage instead of tp slices")
+    p.add_argument("--keep-mtp", action="store_true", help="load the multi-token-prediction layers past the last "
+                   "decoder layer (DeepSeek-V3's layer 61), which are skipped by default as vLLM's main model skips them")
     p.add_argument("--preset", default="auto", help="sharding preset (default: from config.json model_type)")
     p.add_argument("--uneven", choices=["error", "chunk", "pad"], default="error",
                    help="what to do with a dim tp does not divide")
@@ -61,7 +63,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
 
 
 def _mesh_args(args) -> dict:
-    return {"pp": args.pp, "pp_layers": args.pp_layers, "expert_parallel": args.expert_parallel}
+    return {"pp": args.pp, "pp_layers": args.pp_layers, "expert_parallel": args.expert_parallel,
+            "keep_mtp": args.keep_mtp}
 
 
 def _storage_options(args) -> dict[str, str]:
@@ -119,11 +122,11 @@ def _load(args) -> int:
                       storage_options=_storage_options(args), progress=False if args.no_progress else None)
         try:
             print(f"{'rank':>4} {'replica':>7} {'stage':>5} {'tp rank':>7} {'node':>10} {'device':>7} {'tensors':>7} "
-                  f"{'bytes':>12} {'from peers':>12} {'requests':>9} {'seconds':>8}")
+                  f"{'bytes':>12} {'from peers':>12} {'requests':>9} {'seconds':>8} {'rchar':>12}")
             for info, c, st, rp in zip(loaded.ranks, loaded.mesh, loaded.stats, loaded.plan.ranks):
                 print(f"{info.rank:>4} {c.replica:>7} {c.stage:>5} {c.tp_rank:>7} {info.node_id[:10]:>10} "
                       f"{info.device:>7} {len(rp.tensors):>7} {st.bytes_needed:>12} {st.bytes_from_replica:>12} "
-                      f"{st.requests:>9} {st.seconds:>8.3f}")
+                      f"{st.requests:>9} {st.seconds:>8.3f} {'-' if st.rchar is None else st.rchar:>12}")
             print(loaded.summary())
         finally:
             loaded.release()

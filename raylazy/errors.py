@@ -131,6 +131,15 @@ class ModelConfigError(CheckpointError):
     """`config.json` is unreadable or has values of the wrong type."""
 
 
+class QuantizationConfigError(ModelConfigError):
+    """`config.json`'s `quantization_config` has missing or ill-typed fields for its `quant_method`."""
+
+
+class QuantizedLayoutError(CheckpointError):
+    """A quantized layer's tensors disagree with each other or with `quantization_config`: a scale that is not
+    its weight's block or group grid, packed codes of another width, a companion without its weight."""
+
+
 # --- sharding rules and plans --------------------------------------------------
 
 
@@ -161,6 +170,16 @@ class RuleFileError(RuleError):
 class StageError(ShardingError):
     """A tensor no pipeline stage can be given: no layer index in its name and no rule naming its stage, or a
     layer index past config.json's `num_hidden_layers` (or no layer count to partition)."""
+
+
+class UnsupportedQuantizationError(ShardingError):
+    """A `quantization_config` whose method or format raylazy does not know how to shard (its scales and packed
+    tensors would be placed by name alone, which is wrong)."""
+
+
+class QuantizedSplitError(ShardingError):
+    """A split that would cut inside a scale block, a quantization group or a packed word of a quantized tensor:
+    the shard would pair codes with the wrong scales. Names the tensor, the block or group size and tp."""
 
 
 class PartialByteSliceError(ShardingError, PartialByteError):

@@ -26,6 +26,7 @@ def make_plan(
     rules: RulesLike | None = None,
     pp_layers: Sequence[int] | None = None,
     expert_parallel: bool = False,
+    keep_mtp: bool = False,
     preset: str | None = "auto",
     uneven: Uneven = "error",
     max_gap: int | None = None,
@@ -35,12 +36,14 @@ def make_plan(
 
     Give `tp` and `pp` or `mesh` (neither: one rank); invalid options are a ConfigurationError. With pipeline
     stages, each stage's ranks get only its tensors (`raylazy.core.stages`: vLLM's layer split, or `pp_layers`
-    per stage); with `expert_parallel`, routed experts go whole to the tp ranks of their stage. `max_gap` None:
-    the storage's default (0 for local files, `raylazy.storage.objects.DEFAULT_MAX_GAP` for object storage).
+    per stage); with `expert_parallel`, routed experts go whole to the tp ranks of their stage. Multi-token-
+    prediction layers (DeepSeek-V3's layer 61) are skipped unless `keep_mtp`. `max_gap` None:
+    0 for local files; on object storage each row-split read is fetched whole or row by row, whichever the
+    storage's cost model (`raylazy.core.costs`: latency and bandwidth) estimates sooner.
     `storage_options` configure object storage (see `raylazy.storage.objects`).
     """
     opts = validated(PlanOptions, tp=tp, pp=pp, mesh=mesh, pp_layers=pp_layers, expert_parallel=expert_parallel,
-                     preset=preset, uneven=uneven, max_gap=max_gap)
+                     keep_mtp=keep_mtp, preset=preset, uneven=uneven, max_gap=max_gap)
     with gc_paused():  # the headers are most of the small objects too
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options)
-        return plan_checkpoint(ckpt, opts, rules, storage_for(ckpt.root, storage_options).default_max_gap)
+        return plan_checkpoint(ckpt, opts, rules, storage_for(ckpt.root, storage_options).cost_model())

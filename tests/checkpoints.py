@@ -193,7 +193,7 @@ def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 if key in out:
                     raise AssertionError(f"{key} is in two files of {model_dir}")
-                out[key] = f.get_tensor(key)
+                out[key] = f.get_tensor(key).clone()  # not a view of safetensors' mapping: the files can be evicted
     return out
 
 

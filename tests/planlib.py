@@ -1,8 +1,9 @@
 """Tiny, obviously-right helpers that execute and check a plan in pure Python.
 
 `apply_reads` runs a shard's reads against raw file bytes, exactly as the Read
-docstring says; `reference_shard` builds what a shard should hold from the full
-tensor and the shard's pieces. Tests compare the two.
+docstring says; `reference_shard` builds what a shard holds from the full tensor
+and the shard's own pieces: it checks a reader against the plan, not the plan
+(which slice a rank gets comes from tests/expected.py, the tests' oracle).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def apply_reads(shard: TensorShard, files) -> bytes:
 
 
 def reference_shard(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
-    """zeros(shard.shape) with each piece of `full` copied in along `shard.dim` (all of `full` if dim is None)."""
+    """zeros(shard.shape) with each piece of `full` copied in along `shard.dim` (all of `full` if dim is None): the
+    plan's pieces, taken as right (for tests of readers; tests/expected.py says which slice is right)."""
     if shard.dim is None:
         return full.clone()
     out = torch.zeros(shard.shape, dtype=full.dtype)

@@ -1,7 +1,7 @@
 """What the Ray tests share: loading with a test rank actor, checking ranks bit for bit against
 safetensors, finding raylazy's live actors and placement groups, and waiting for them to go.
 
-Functions defined here and in planlib.py travel to the rank actors by value
+Functions defined here, in planlib.py and in measured.py travel to the rank actors by value
 (`loaded.run(where_am_i)`): the workers need not import these files.
 """
 
@@ -12,9 +12,11 @@ import os
 import sys
 import time
 
+import measured
 import planlib
 from checkpoints import reference_tensors
-from planlib import as_bytes, reference_shard
+from expected import expected_rank, model_config
+from planlib import as_bytes
 
 import raylazy
 from raylazy.cluster.actor import RankLoader
@@ -22,7 +24,7 @@ from raylazy.cluster.actor import RankLoader
 try:
     import ray.cloudpickle
 
-    for _module in (sys.modules[__name__], planlib):  # as_bytes runs in the actors too
+    for _module in (sys.modules[__name__], planlib, measured):  # as_bytes and SyscallLog run in the actors too
         ray.cloudpickle.register_pickle_by_value(_module)
 except Exception:  # noqa: BLE001  (Ray missing: the Ray tests skip)
     pass
@@ -49,23 +51,22 @@ def full_tensors(model_dir: str) -> dict:
 
 
 def check_rank(plan_rank, shards: dict, model_dir: str) -> None:
-    """Exactly the planned tensors, on the CPU, each equal bit for bit to its reference shard
-    (safetensors' full tensor, narrowed)."""
-    full = full_tensors(model_dir)
-    planned = [t.name for t in plan_rank.tensors]
-    assert sorted(shards) == sorted(planned), (
-        f"rank {plan_rank.rank}: missing {sorted(set(planned) - set(shards))}, extra {sorted(set(shards) - set(planned))}"
+    """Exactly the checkpoint's tensors, on the CPU, each equal bit for bit to the slice the rank's place gives it
+    (`expected.expected_rank`: safetensors' get_tensor, chunked as vLLM shards these models), for a tp-only mesh
+    with replicas: the tp rank is the rank's index within its replica (ranks are replica-major). The plan's
+    tensors and pieces are not consulted: a planner giving ranks the wrong slices fails here."""
+    mesh = plan_rank.mesh
+    assert mesh.pp == 1, "check_rank knows tp-only meshes; tests/test_stages.py checks pipeline stages"
+    want = expected_rank(full_tensors(model_dir), model_config(model_dir), plan_rank.rank % mesh.tp, mesh.tp)
+    assert sorted(shards) == sorted(want), (
+        f"rank {plan_rank.rank}: missing {sorted(set(want) - set(shards))}, extra {sorted(set(shards) - set(want))}"
     )
-    for t in plan_rank.tensors:
-        got, ref = shards[t.name], reference_shard(full[t.name], t)
-        assert got.device.type == "cpu", t.name
-        assert got.dtype == ref.dtype, (t.name, got.dtype, ref.dtype)
-        assert tuple(got.shape) == tuple(t.shape) == tuple(ref.shape), (t.name, got.shape, t.shape)
-        assert as_bytes(got) == as_bytes(ref), f"rank {plan_rank.rank}: {t.name} differs from its reference shard"
-        if t.dim is not None and len(t.pieces) == 1:
-            src, dst, length = t.pieces[0]
-            if dst == 0 and length == t.shape[t.dim]:  # the shard is one slice of the full tensor
-                assert as_bytes(got) == as_bytes(full[t.name].narrow(t.dim, src, length)), t.name
+    for name, ref in want.items():
+        got = shards[name]
+        assert got.device.type == "cpu", name
+        assert got.dtype == ref.dtype, (name, got.dtype, ref.dtype)
+        assert tuple(got.shape) == tuple(ref.shape), (name, got.shape, ref.shape)
+        assert as_bytes(got) == as_bytes(ref), f"rank {plan_rank.rank}: {name} differs from its slice of the tensor"
 
 
 def check_ranks(plan, per_rank: list[dict], model_dir: str) -> None:
@@ -91,6 +92,22 @@ def digest(shards: dict) -> str:
         h.update(str(tuple(shards[name].shape)).encode())
         h.update(as_bytes(shards[name]))
     return h.hexdigest()
+
+
+def pointers(rank: int, shards: dict) -> dict:
+    """Run in a rank (`loaded.run`): each shard tensor's data_ptr. Compare two calls only while something holds the
+    first call's tensors (`Holder.hold`): the allocator may give freed memory's addresses to new tensors."""
+    return {name: t.data_ptr() for name, t in shards.items()}
+
+
+class Holder(RankLoader):
+    """A rank that keeps a consumer's reference to its tensors (as a model built on them would): `hold()`."""
+
+    def hold(self) -> None:
+        self.held = dict(self.shards())
+
+    def held_digest(self) -> str:
+        return digest(self.held)
 
 
 def where_am_i(rank: int, shards: dict) -> dict:

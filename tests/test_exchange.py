@@ -1,9 +1,10 @@
 """The node exchange (raylazy.io.collective) and the cooperative reader over it (raylazy.io.exchange).
 
 A node's ranks run as separate processes, forked from a forkserver that imported torch once, over gloo on
-the CPU (and, gpu-marked, over NCCL on all visible GPUs): every shard bit-for-bit against safetensors'
-get_tensor + narrow; every byte of the node's union read from storage once; staging within the budget;
-a rank that fails, dies or never comes makes the others fail with PeerFailedError instead of hanging.
+the CPU (and, gpu-marked, over NCCL on all visible GPUs): every shard bit-for-bit against the slice of
+safetensors' get_tensor its place gives it (`raytest.check_rank`); every page of the node's union read once,
+as the ranks' own positional reads show (recorded in their processes: `measured.SyscallLog`); staging within the
+budget; a rank that fails, dies or never comes makes the others fail with PeerFailedError instead of hanging.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import multiprocessing as mp
 import os
 import pickle
 import time
+from collections import Counter
 from dataclasses import asdict
 
 import pytest
 import torch
-from checkpoints import reference_tensors
-from planlib import as_bytes, reference_shard
+from measured import SyscallLog, assert_header_checks_only, header_bytes, needed_pages, pages
+from raytest import check_rank
 
 import raylazy
 from raylazy.core.options import ReaderOptions
@@ -53,13 +55,15 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
             raise ReadError(f"injected failure reading stripe {s}")
 
         exchange._StripeReader._read = broken
-    results = []
+    results, log = [], SyscallLog().install()
     for plan, sched, address, budget, timeout_s in cases:
         try:
             options = ReaderOptions(staging_budget=budget, stripe_timeout_s=timeout_s)
+            first = len(log.preadv)
             shards, stats = read_rank_exchanged(plan.ranks[rank], device, node=ExchangeTask.of(plan, sched, address),
                                                 options=options)
-            results.append(({n: t.cpu() for n, t in shards.items()}, asdict(stats)))
+            assert_header_checks_only(log.pread, plan)
+            results.append(({n: t.cpu() for n, t in shards.items()}, asdict(stats), log.preadv[first:]))
         except Exception as e:  # noqa: BLE001  (kept as the case's result; the next case runs (its peers failed with it))
             results.append(e)
     with open(out_path, "wb") as f:
@@ -68,7 +72,8 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
 
 def run_node(tmp_path, cases: list, devices: list[str], fault: dict[int, str] | None = None) -> list[list]:
     """Run `cases` [(plan, sched, budget, timeout_s)] on one process per device (local rank = index);
-    returns per case, per local rank, (shards, stats dict) or the error it raised (None: no result)."""
+    returns per case, per local rank, (shards, stats dict, its positional reads (path, start, end)) or the error it
+    raised (None: no result)."""
     cases = [(plan, sched, node_address("127.0.0.1"), budget, t) for plan, sched, budget, t in cases]
     fault = fault or {}
     procs, paths = [], []
@@ -107,27 +112,26 @@ def min_budget(plan, sched, on_device: bool) -> int:
 
 
 def check_node(plan, sched, model_dir: str, results: list, budget: int) -> None:
-    """Every rank's shards equal safetensors' tensors narrowed; the node read its union once; staging fit."""
-    full = reference_tensors(model_dir)
-    read = received = 0
+    """Every rank's shards are its slices of safetensors' tensors; the ranks' positional reads cover every page of
+    the node's union once and nothing else, one read per stripe (what `requests` and `bytes_read` report); staging
+    fit."""
+    received, reads = 0, []
     for local, rank in enumerate(sched.ranks):
         res = results[local]
         assert not isinstance(res, BaseException) and res is not None, f"rank {rank}: {res!r}"
-        shards, stats = res
+        shards, stats, calls = res
         rp = plan.ranks[rank]
-        assert set(shards) == {t.name for t in rp.tensors}
-        for t in rp.tensors:
-            assert as_bytes(shards[t.name]) == as_bytes(reference_shard(full[t.name], t)), f"rank {rank}: {t.name}"
-            assert shards[t.name].shape == torch.Size(t.shape) and shards[t.name].dtype == full[t.name].dtype
+        check_rank(rp, shards, model_dir)
         assert stats["bytes_needed"] == rp.stats.bytes_needed
         from_peers = sum(k.part.bytes_needed for k in rank_keeps(plan, sched, rank)
                          if sched.stripes[k.stripe].reader != rank)
         assert stats["bytes_received"] == from_peers
         assert stats["staging_bytes"] <= budget, (rank, stats["staging_bytes"], budget)
-        assert stats["requests"] == len(sched.read_by(rank))
-        read += stats["bytes_read"]
+        assert stats["requests"] == len(calls) and stats["bytes_read"] == sum(end - start for _, start, end in calls)
+        reads += calls
         received += stats["bytes_received"]
-    assert read == sched.nbytes  # every byte of the node's union leaves storage once
+    assert Counter(pages(reads)) == Counter(needed_pages(plan, sched.ranks))  # the union, each page read once
+    assert len(reads) == len(sched.stripes)
     assert received > 0 or len(sched.ranks) == 1  # the ranks did exchange
 
 
@@ -160,7 +164,7 @@ def run_and_check(tmp_path, dirs: list[str], devices: list[str]) -> list:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_cpu_gloo_shards_bit_for_bit(tmp_path, tp, llama_dir, qwen2_dir, mixtral_dir):
     results = run_and_check(tmp_path, [llama_dir, qwen2_dir, mixtral_dir], ["cpu"] * tp)
-    depths = [stats["staging_buffers"] for case in results for _, stats in case]
+    depths = [stats["staging_buffers"] for case in results for _, stats, _ in case]
     assert 1 in depths and max(depths) > 1  # the smallest budget reads one stripe ahead, a roomy one more
 
 
@@ -205,7 +209,6 @@ def test_a_failing_rank_fails_its_peers_instead_of_hanging(tmp_path, llama_dir, 
 def test_rank_actors_meet_at_the_address_one_of_them_gives(llama_dir, ray_local):
     """Inside Ray: one rank actor names its node's meeting address; both actors load through the exchange."""
     import ray
-    from raytest import check_rank
 
     from raylazy.cluster.actor import RankLoader
     from raylazy.core.options import ReaderOptions
@@ -219,7 +222,12 @@ def test_rank_actors_meet_at_the_address_one_of_them_gives(llama_dir, ray_local)
         task = ExchangeTask.of(plan, node_schedule(plan, range(2), "node", 16384), address)
         exchange = ReaderOptions(backend="exchange")
         stats = ray.get([a.load.remote(plan.ranks[r], exchange, task) for r, a in enumerate(actors)], timeout=120)
-        assert sum(s.bytes_read for s in stats) == task.schedule.nbytes and all(s.bytes_received for s in stats)
+        # the actors' read calls (rchar, measured in each): the union once, and the header checks
+        sched = task.schedule  # a rank checks the header of each file its stripes are in
+        headers = sum(header_bytes(plan.files[f].uri) for r in sched.ranks for f in {s.file for s in sched.stripes
+                                                                                     if s.reader == r})
+        union = sched.nbytes + headers
+        assert union <= sum(s.rchar for s in stats) <= 1.02 * union + 4096 and all(s.bytes_received for s in stats)
         for r, a in enumerate(actors):
             check_rank(plan.ranks[r], ray.get(a.shards.remote()), llama_dir)
     finally:
@@ -236,7 +244,7 @@ def _gpu_devices() -> list[str]:
 def test_gpu_nccl_shards_bit_for_bit(tmp_path, llama_dir, qwen2_dir, mixtral_dir):
     """stripe -> pinned buffer -> the reader's GPU -> NCCL to the keepers, on all visible GPUs."""
     results = run_and_check(tmp_path, [llama_dir, qwen2_dir, mixtral_dir], _gpu_devices())
-    assert all(s["device"].startswith("cuda") for case in results for _, s in case)
+    assert all(s["device"].startswith("cuda") for case in results for _, s, _ in case)
 
 
 @pytest.mark.gpu
@@ -244,7 +252,7 @@ def test_gpu_nccl_shards_bit_for_bit(tmp_path, llama_dir, qwen2_dir, mixtral_dir
 def test_gpu_staging_pipeline_stays_within_budget(tmp_path, llama_dir):
     """The smallest budget forces one pinned buffer per reader; a roomy one reads ahead; both exact."""
     results = run_and_check(tmp_path, [llama_dir], _gpu_devices())
-    depths = [stats["staging_buffers"] for case in results for _, stats in case]
+    depths = [stats["staging_buffers"] for case in results for _, stats, _ in case]
     assert 1 in depths
 
 

@@ -16,6 +16,7 @@ import struct
 import pytest
 import torch
 from checkpoints import reference_tensors
+from expected import expected_rank, model_config
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from planlib import apply_reads, as_bytes, read_ranges, reference_shard
@@ -110,23 +111,21 @@ def _randn(*shape, seed=0, dtype=torch.bfloat16) -> torch.Tensor:
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_reads_reproduce_every_slice(model_dir, tp):
+    """Each rank's reads, run against the raw file bytes, give the slice vLLM's sharding gives that rank
+    (`expected.expected_rank`: safetensors' tensors chunked by the test, not the plan's pieces)."""
     plan = make_plan(model_dir, tp)
     ref = _reference(model_dir)
-    files = _files(plan)
     assert plan.tp == tp and [rp.rank for rp in plan.ranks] == list(range(tp))
+    assert plan.skipped == ()
     for rp in plan.ranks:
         names = [t.name for t in rp.tensors]
         assert len(names) == len(set(names)), "a tensor is planned twice for one rank"
-        assert sorted(names + list(plan.skipped)) == sorted(ref), f"rank {rp.rank} misses or invents tensors"
+        assert sorted(names) == sorted(ref), f"rank {rp.rank} misses or invents tensors"
+        want = expected_rank(ref, model_config(model_dir), rp.rank, tp)
         for shard in rp.tensors:
             full = ref[shard.name]
             assert tuple(shard.full_shape) == tuple(full.shape) and shard.dtype == "BF16"
-            expected = reference_shard(full, shard)
-            assert apply_reads(shard, files) == as_bytes(expected), f"rank {rp.rank}: {shard.name}"
-            if shard.dim is not None and len(shard.pieces) == 1:
-                src, dst, length = shard.pieces[0]
-                assert dst == 0 and length == shard.shape[shard.dim]
-                assert torch.equal(expected, full.narrow(shard.dim, src, length))
+            _check_shard_bytes(plan, shard, want[shard.name])
             # every read stays inside the tensor's own bytes
             fname, start = _layout(model_dir)[shard.name]
             for r in shard.reads:
@@ -533,6 +532,34 @@ def test_max_gap_gathers_row_reads(llama_dir):
                 assert rd.requests == 1
         assert rp.stats.requests == sum(len(t.reads) for t in rp.tensors)
     assert everything.bytes_read - plain.bytes_read == extra > 0
+
+
+def test_cost_model_chooses_whole_or_row_by_row_per_read(llama_dir):
+    """One connection, parts larger than any tensor: a read is gathered iff its gap bytes (count - 1) x gap cost
+    less at `connection_bps` than the (count - 1) requests saved, i.e. iff gap <= request_s x connection_bps."""
+    from raylazy.core.costs import CostModel
+    from raylazy.core.options import PlanOptions
+    from raylazy.core.planner import plan_checkpoint
+    from raylazy.storage import open_checkpoint
+
+    ckpt = open_checkpoint(llama_dir)
+    o_gap, down_gap = (64 - 16) * BF16, (128 - 32) * BF16  # o_proj [64, 64], down_proj [64, 128] at tp=4
+    between = CostModel(request_s=1.0, connection_bps=(o_gap + down_gap) / 2)
+    plan = plan_checkpoint(ckpt, PlanOptions(tp=4), cost=between)
+    assert plan.max_gap is None
+    assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in make_plan(llama_dir, 4, max_gap=o_gap).ranks]
+    assert _shard(plan, 1, "model.layers.0.self_attn.o_proj.weight").reads[0].gather
+    assert not _shard(plan, 1, "model.layers.0.mlp.down_proj.weight").reads[0].gather
+    # every byte at 1 B/s for all connections together: fetching the gaps never pays, whatever a request costs
+    capped = plan_checkpoint(ckpt, PlanOptions(tp=4), cost=CostModel(request_s=1.0, connection_bps=1e9, bandwidth_bps=1))
+    assert capped.bytes_read == capped.bytes_needed
+    # an explicit max_gap wins over the cost model; none and no cost model (local files): exact reads
+    assert plan_checkpoint(ckpt, PlanOptions(tp=4, max_gap=0), cost=between).bytes_read == capped.bytes_needed
+    assert plan_checkpoint(ckpt, PlanOptions(tp=4)).max_gap == 0
+    # the estimate of a rank: its requests and bytes at the model's rates
+    rp = plan.ranks[1]
+    requests = sum(1 if r.gather else r.count for t in rp.tensors for r in t.reads)
+    assert between.rank_seconds(rp) == pytest.approx(requests * 1.0 + rp.stats.bytes_read / between.connection_bps)
 
 
 # --- serialisation, tables, stats ------------------------------------------------

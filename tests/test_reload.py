@@ -2,8 +2,9 @@
 (`load(actors=)`, `raylazy.RankMixin`), a rank Ray restarts reading its plan again, `raylazy.read_rank`
 in any process, and a second Ctrl-C during cleanup.
 
-Every shard is checked bit for bit against safetensors' get_tensor + narrow of the checkpoint it should
-hold (`raytest.check_loaded`). The checkpoints are the session's llama and copies of it written with
+Every shard is checked bit for bit against the slice of safetensors' get_tensor of the checkpoint it should
+hold that its rank's place gives it (`raytest.check_loaded`); `data_ptr`s are compared while a holder keeps the
+old tensors alive (`raytest.Holder`), so freed addresses cannot be handed out again. The checkpoints are the session's llama and copies of it written with
 other seeds (other values, the same layout) and another shard size (other files, the same rank layout).
 """
 
@@ -19,22 +20,22 @@ import time
 
 import pytest
 import torch
-from checkpoints import build_checkpoint, reference_tensors
-from planlib import as_bytes, reference_shard
+from checkpoints import build_checkpoint
 from raytest import (
+    Holder,
     assert_no_leaks,
     check_loaded,
     check_rank,
     digest,
     live,
     load_with,
+    pointers,
     raylazy_groups,
     wait_for,
     where_am_i,
 )
 
 import raylazy
-from raylazy.cluster.actor import RankLoader
 from raylazy.core.options import ReaderOptions
 from raylazy.core.plans import check_same_layout
 from raylazy.errors import ConfigurationError, LayoutMismatchError, NoShardsError, RankFailedError, ReadError
@@ -80,41 +81,23 @@ def restarted(loaded, rank: int, old_pid: int) -> None:
     wait_for(new_pid, 60, f"rank {rank} to restart")
 
 
-def pointers(rank: int, shards: dict) -> dict:
-    """Run in a rank (`loaded.run`): each shard tensor's data_ptr."""
-    return {name: t.data_ptr() for name, t in shards.items()}
-
-
-class Holder(RankLoader):
-    """A rank that keeps a consumer's reference to its tensors (as a model built on them would)."""
-
-    def hold(self) -> None:
-        self.held = dict(self.shards())
-
-    def held_digest(self) -> str:
-        return digest(self.held)
-
-
 # --- without Ray ---------------------------------------------------------------------------------------
 
 
 def test_read_rank_runs_a_rank_plan_alone_in_this_process(llama_dir):
     """raylazy.read_rank: a node backend without its node task reads ranged; out= is filled in place."""
     plan = raylazy.plan(llama_dir, 2)
-    full = reference_tensors(llama_dir)
     for rp in plan.ranks:
         shards, stats = raylazy.read_rank(rp, "cpu", options=ReaderOptions(backend="cooperative"))
         assert stats.backend == "ranged" and stats.bytes_needed == rp.stats.bytes_needed
-        for t in rp.tensors:
-            assert as_bytes(shards[t.name]) == as_bytes(reference_shard(full[t.name], t)), t.name
-        before = {n: t.data_ptr() for n, t in shards.items()}
+        check_rank(rp, shards, llama_dir)
+        before = {n: t.data_ptr() for n, t in shards.items()}  # `shards` holds the tensors meanwhile
         for t in shards.values():
             t.view(-1).view(torch.uint8).fill_(0x5A)
         again, _ = raylazy.read_rank(rp, "cpu", out=shards)
         assert {n: t.data_ptr() for n, t in again.items()} == before
         assert all(again[t.name] is shards[t.name] for t in rp.tensors)
-        for t in rp.tensors:
-            assert as_bytes(again[t.name]) == as_bytes(reference_shard(full[t.name], t)), t.name
+        check_rank(rp, again, llama_dir)
 
 
 def test_layout_check_names_the_first_difference(llama_dir, llama_b, llama_f16, qwen2_dir):
@@ -170,7 +153,7 @@ def faulty_holder(fault: dict) -> type:
     """A rank whose `fault["rank"]` meets `fault["kind"]` at its `fault["after"]`-th positional read of a reload:
     "eio" raises an I/O error, "die" ends the process (first attempt only: `fault["marker"]` is then written)."""
 
-    class FaultyHolder(RankLoader):
+    class FaultyHolder(Holder):
         def reload(self, plan, options, node=None):
             if self.info_.rank != fault["rank"] or os.path.exists(fault["marker"]):
                 return super().reload(plan, options, node)
@@ -202,6 +185,7 @@ def test_a_reload_failing_part_way_leaves_the_rank_without_shards_until_it_succe
     fault = {"rank": 1, "kind": "eio", "after": 3, "marker": str(tmp_path / "failed")}
     with load_with(faulty_holder(fault), llama_dir, 2, device="cpu", progress=False, backend="ranged") as loaded:
         ptrs = ray.get(loaded.run(pointers), timeout=60)
+        ray.get([a.hold.remote() for a in loaded.actors], timeout=60)  # the old tensors stay: their addresses too
         with pytest.raises(RankFailedError) as info:
             loaded.reload(llama_b)
         assert list(info.value.failures) == [1] and isinstance(info.value.failures[1], ReadError)

@@ -3,7 +3,9 @@ a new model copies from a live one with no storage access; a source that dies mi
 or fails with one PeerFailedError when the checkpoint is gone.
 
 The Ray tests share one two-node cluster (`two_node_cluster`: 2 nodes x 2 CPUs, 2 logical GPUs each); shards
-are checked bit for bit against safetensors' tensors narrowed (`raytest.check_rank`).
+are checked bit for bit against the slice of safetensors' tensors each rank's place gives it (`raytest.check_rank`).
+Who read storage is what the ranks' processes measured (`ReadStats.rchar`: their read calls) and what the test's
+rank class counted (its `load` and `peer_shards` calls), not the plan's figures.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import time
 
 import pytest
 from checkpoints import build_checkpoint
-from raytest import assert_no_leaks, check_rank, digest, live
+from measured import SyscallLog
+from raytest import Holder, assert_no_leaks, check_rank, digest, live, pointers
 
 import raylazy
-from raylazy.cluster.actor import RankLoader
 from raylazy.core.mesh import Coord, Mesh
 from raylazy.errors import ConfigurationError, PeerFailedError
 from raylazy.planning import make_plan
@@ -59,12 +61,18 @@ def test_source_and_replica_arguments_are_checked(llama_dir):
 # --- on a two-node cluster -----------------------------------------------------------------------------
 
 
-class CountingLoader(RankLoader):
-    """Counts its storage loads (`load`) and the shard batches it served to a copying rank (`peer_shards`)."""
+class CountingLoader(Holder):
+    """Counts its storage loads (`load`, `reload`) and the shard batches it served to a copying rank (`peer_shards`),
+    and records its process's positional reads (`measured.SyscallLog`)."""
 
     def __init__(self, rank: int, device: str = "auto"):
         super().__init__(rank, device)
-        self.loads, self.served = 0, 0
+        self.loads, self.served, self.log = 0, 0, SyscallLog().install()
+
+    def file_reads(self) -> list[tuple[str, int, int]]:
+        """(path, start, end) of every positional read of the process since the last call."""
+        reads, self.log.pread, self.log.preadv = self.log.pread + self.log.preadv, [], []
+        return reads
 
     def load(self, plan, options, node=None):
         self.loads += 1
@@ -80,11 +88,6 @@ class CountingLoader(RankLoader):
 
     def counts(self) -> tuple[int, int]:
         return self.loads, self.served
-
-
-def pointers(rank: int, shards: dict) -> dict:
-    """Run in a rank (`loaded.run`): each shard tensor's data_ptr."""
-    return {name: t.data_ptr() for name, t in shards.items()}
 
 
 class SlowSource(CountingLoader):
@@ -112,6 +115,21 @@ def _kill_when_serving(loaded, rank: int, batches: int) -> threading.Thread:
     return thread
 
 
+def check_who_read(loaded, readers: set[int]) -> None:
+    """Since the last check, the ranks in `readers` read at least their planned ranges of the checkpoint with
+    positional reads (recorded in their processes, and their own `ReadStats.rchar`); the others read no byte of it."""
+    import ray
+
+    root = os.path.realpath(loaded.plan.root)
+    got = ray.get([a.file_reads.remote() for a in loaded.actors], timeout=60)
+    for rp, s, reads in zip(loaded.plan.ranks, loaded.stats, got):
+        data = sum(end - start for path, start, end in reads if path.startswith(root))
+        if rp.rank in readers:
+            assert data >= rp.stats.bytes_read and s.rchar >= rp.stats.bytes_read, (rp.rank, data, s.rchar)
+        else:
+            assert data == 0, f"rank {rp.rank} read {data} bytes of the checkpoint"
+
+
 def _load(model_dir, actor_cls=CountingLoader, **options):
     return raylazy.load(model_dir, use_gpu=True, device="cpu", progress=False, placement_timeout_s=120,
                         actor_cls=actor_cls, **options)
@@ -135,9 +153,7 @@ class TestReplicas:
             assert [c[0] for c in counts] == [1, 1, 0, 0], counts  # only replica 0 touched storage
             assert counts[0][1] > 0 and counts[1][1] > 0, counts     # ... and served replica 1
             st = loaded.stats
-            one_replica = sum(rp.stats.bytes_needed for rp in plan.ranks[:2])
-            assert sum(s.bytes_read for s in st) == one_replica
-            assert [s.bytes_read for s in st[2:]] == [0, 0]
+            check_who_read(loaded, {0, 1})
             assert [s.bytes_from_replica for s in st] == [0, 0] + [sum(t.nbytes for t in rp.tensors) for rp in plan.ranks[2:]]
             assert "x 2 replicas" in loaded.summary() and "copied from live replicas" in loaded.summary()
         finally:
@@ -151,6 +167,7 @@ class TestReplicas:
         other = build_checkpoint("llama", tmp_path / "llama_b", seed=7)
         with _load(llama_dir, tp=2, replicas=2, backend="ranged") as loaded:
             ptrs = ray.get(loaded.run(pointers), timeout=120)
+            ray.get([a.hold.remote() for a in loaded.actors], timeout=60)  # the old tensors stay: their addresses too
             assert loaded.reload(other) is loaded
             for rp, s in zip(loaded.plan.ranks, ray.get(loaded.refs(), timeout=120)):
                 check_rank(rp, s, other)
@@ -158,7 +175,8 @@ class TestReplicas:
             counts = ray.get([a.counts.remote() for a in loaded.actors])
             assert [c[0] for c in counts] == [2, 2, 0, 0], counts  # replica 0 read both checkpoints, replica 1 none
             st = loaded.stats
-            assert [s.backend for s in st[2:]] == ["replica"] * 2 and [s.bytes_read for s in st[2:]] == [0, 0]
+            assert [s.backend for s in st[2:]] == ["replica"] * 2
+            check_who_read(loaded, {0, 1})
             assert [s.bytes_from_replica for s in st[2:]] == [sum(t.nbytes for t in rp.tensors)
                                                               for rp in loaded.plan.ranks[2:]]
 
@@ -172,11 +190,14 @@ class TestReplicas:
         head = out.index(next(line for line in out if line.split()[:2] == ["rank", "replica"]))
         rows = [line.split() for line in out[head + 1 : head + 5]]
         plan = raylazy.plan(llama_dir, 2)
-        # rank, replica, stage, tp rank, ..., bytes needed, bytes from peers: replica 1 copies all it needs
+        # rank, replica, stage, tp rank, ..., bytes needed, bytes from peers, ..., rchar: replica 1 copies all it
+        # needs, replica 0's read calls returned at least its bytes
+        assert out[head].split()[-1] == "rchar"
         for r, row in enumerate(rows):
             needed = plan.ranks[r % 2].stats.bytes_needed
             assert row[:4] == [str(r), str(r // 2), "0", str(r % 2)] and int(row[7]) == needed
             assert int(row[8]) == (needed if r >= 2 else 0), row
+            assert r >= 2 or int(row[11]) >= needed, row
         assert "x 2 replicas" in out[head + 5]
         assert_no_leaks(before, "the command's replicated load")
 
@@ -193,7 +214,7 @@ class TestReplicas:
                                     actor_cls=CountingLoader)
                 try:
                     assert copy.placement_group != source.placement_group and copy.plan.root == source.plan.root
-                    assert [s.bytes_read for s in copy.stats] == [0, 0]
+                    check_who_read(copy, set())
                     assert all(s.bytes_from_replica == sum(t.nbytes for t in rp.tensors) > 0
                                for s, rp in zip(copy.stats, copy.plan.ranks))
                     for rp, s in zip(copy.plan.ranks, ray.get(copy.refs(), timeout=120)):
@@ -219,9 +240,11 @@ class TestReplicas:
             killer.join()
             try:
                 st = copy.stats
-                assert st[0].backend == "ranged" and st[0].bytes_read == copy.plan.ranks[0].stats.bytes_needed
-                assert st[0].bytes_from_replica == 0                                   # nothing half-copied kept
-                assert st[1].backend == "replica" and st[1].bytes_read == 0 and st[1].bytes_from_replica > 0
+                # rank 0 read storage itself, once, its source dead; rank 1 copied from its live source
+                assert [c[0] for c in ray.get([a.counts.remote() for a in copy.actors], timeout=60)] == [1, 0]
+                check_who_read(copy, {0})
+                assert st[0].backend == "ranged" and st[0].bytes_from_replica == 0     # nothing half-copied kept
+                assert st[1].backend == "replica" and st[1].bytes_from_replica > 0
                 for rp, s in zip(copy.plan.ranks, ray.get(copy.refs(), timeout=120)):
                     check_rank(rp, s, llama_dir)
             finally:

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 from checkpoints import build_checkpoint, reference_tensors
+from expected import EXPERT, expected_shard, model_config
 from planlib import apply_reads, as_bytes, read_files
 from raytest import assert_no_leaks, live, where_am_i
 
@@ -52,39 +53,9 @@ def expected_stages(name: str, counts: list[int], tied: bool) -> set[int]:
     return {last}
 
 
-_EXPERT = re.compile(r"experts\.(\d+)\.")
-_COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
-           "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight",
-           "embed_tokens.weight", "lm_head.weight")
-_ROW = ("o_proj.weight", "down_proj.weight", "w2.weight")
-
-
-def expected_shard(name: str, full: torch.Tensor, rank: int, tp: int, ep: bool, cfg: dict) -> torch.Tensor | None:
-    """What tp rank `rank` holds of `full` (None: nothing), by the sharding vLLM applies to these models."""
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-    kv_heads = cfg["num_key_value_heads"]
-    if name.endswith("experts.gate_up_proj"):  # fused [E, 2I, H]: gate rows, then up rows
-        if ep:
-            return full.tensor_split(tp, 0)[rank]
-        gate, up = full.chunk(2, 1)
-        return torch.cat([gate.chunk(tp, 1)[rank], up.chunk(tp, 1)[rank]], 1)
-    if name.endswith("experts.down_proj"):  # fused [E, H, I]
-        return full.tensor_split(tp, 0)[rank] if ep else full.chunk(tp, -1)[rank]
-    m = _EXPERT.search(name)
-    if m and ep:
-        return full if int(m.group(1)) in torch.arange(experts).tensor_split(tp)[rank] else None
-    if re.search(r"[kv]_proj\.(weight|bias)$", name) and tp > kv_heads:  # each kv head on tp / kv_heads ranks
-        return full.chunk(kv_heads, 0)[rank // (tp // kv_heads)]
-    if name.endswith(_COLUMN):
-        return full.chunk(tp, 0)[rank]
-    if name.endswith(_ROW):
-        return full.chunk(tp, -1)[rank]
-    return full  # norms, routers and their bias, MLA's low-rank down-projections, the shared expert's gate
-
-
 def expected_ranks(model_dir: str, tp: int, pp: int, ep: bool, tied: bool) -> list[dict[str, torch.Tensor]]:
     """Per global rank (stage-major), every tensor it must hold: those of its stage, experts of its block only."""
-    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    cfg = model_config(model_dir)
     counts = vllm_layer_counts(cfg["num_hidden_layers"], pp)
     full = reference_tensors(model_dir)
     out = []
@@ -198,7 +169,7 @@ def test_experts_ep_does_not_divide(moe_dirs):
     """DeepSeek tiny has 6 routed experts: over tp=4, ranks 0 and 1 get 2, ranks 2 and 3 get 1."""
     d = moe_dirs["deepseek_v3"]
     plan = raylazy.plan(d, 4, expert_parallel=True)
-    held = [sorted({int(m.group(1)) for t in rp.tensors if (m := _EXPERT.search(t.name))}) for rp in plan.ranks]
+    held = [sorted({int(m.group(1)) for t in rp.tensors if (m := EXPERT.search(t.name))}) for rp in plan.ranks]
     assert held == [[0, 1], [2, 3], [4], [5]]
     check_plan(plan, d, 4, 1, True, tied=False)
 

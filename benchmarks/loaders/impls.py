@@ -132,13 +132,14 @@ def load_fastsafetensors(torch, rank_plan, files: list[str]) -> dict:
     return out
 
 
-def load_runai(torch, rank_plan, files: list[str]) -> dict:
-    """Run:ai model streamer's SafetensorsStreamer over all files (CPU), narrow each tensor."""
+def load_runai(torch, rank_plan, files: list[str], distributed: bool = False) -> dict:
+    """Run:ai model streamer's SafetensorsStreamer over all files (CPU), narrow each tensor; `distributed`: its
+    distributed mode over the initialized torch.distributed group (each process reads a part, then broadcasts)."""
     from runai_model_streamer import SafetensorsStreamer
 
     want, out = _by_name(rank_plan), {}
     with SafetensorsStreamer() as streamer:
-        streamer.stream_files(files, device="cpu")
+        streamer.stream_files(files, device="cpu", is_distributed=distributed)
         for name, full in streamer.get_tensors():
             if name in want:
                 out[name] = cut(torch, full, want[name], owned=True)

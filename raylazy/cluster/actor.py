@@ -28,6 +28,7 @@ from ..core.options import ReaderOptions
 from ..core.plans import RankPlan
 from ..errors import NoShardsError
 from ..io.stats import Counter, ReadStats
+from .portable import Portable
 from .ray_internals import forget_rank, remember_rank, remembered_rank
 
 log = logging.getLogger("raylazy")
@@ -170,10 +171,11 @@ class RankMixin:
         """A batch of shards arriving over a direct transport for `receive` (Ray delivers them as this argument)."""
         self._rank().landed[key] = shards
 
-    def peer_shards(self, names: list[str]) -> dict:
-        """The shards named, for a rank copying them (`receive`): through the object store or a direct transport."""
+    def peer_shards(self, names: list[str]) -> Portable:
+        """The shards named, for a rank copying them (`receive`): through the object store or a direct transport
+        (`Portable`: they unpickle as a plain {name: tensor}, float8 shards included)."""
         shards = self.shards()
-        return {n: shards[n] for n in names if n in shards}
+        return Portable({n: shards[n] for n in names if n in shards})
 
     def shards(self) -> dict:
         """This rank's {name: tensor}; returned through the object store or a direct tensor transport."""

@@ -29,6 +29,7 @@ from ..planning import make_plan
 from .actor import RankInfo, RankLoader
 from .bundles import check_placeable, ensure_ray, rank_bundles, stage_strategy
 from .group import RankGroup
+from .portable import portable_shards
 from .reading import read_ranks
 from .replicas import copy_from_replicas
 
@@ -84,7 +85,7 @@ class LoadedModel:
         """
         transport = transport or self.options.transport
         if transport not in self._refs:
-            self._refs[transport] = [_shards_method(a, _transport_for(transport, info.device)).remote()
+            self._refs[transport] = [_shards_ref(a, _transport_for(transport, info.device))
                                      for a, info in zip(self.actors, self.group.ranks)]
         return self._refs[transport]
 
@@ -103,10 +104,12 @@ class LoadedModel:
         return {i.rank: (i.node_id, i.device) for i in self.ranks}
 
     def summary(self) -> str:
-        """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage for the shards
-        that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from replicas."""
+        """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage as planned for
+        the shards that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from
+        replicas, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`)."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
+        rchar = [s.rchar for s in self.stats]
         from_replica = sum(s.bytes_from_replica for s in self.stats)
         read_needed = sum(s.bytes_needed for s in self.stats if not s.bytes_from_replica)
         reading = max((s.seconds for s in self.stats), default=0.0)
@@ -116,8 +119,9 @@ class LoadedModel:
             f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''}{replicas} "
             f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.group.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
-            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), read {format_bytes(read)} from storage "
-            f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas"
+            f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), planned {format_bytes(read)} from storage "
+            f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas, "
+            f"read calls returned {'?' if None in rchar else format_bytes(sum(rchar))} (rchar)"
         )
 
     def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> LoadedModel:
@@ -277,8 +281,11 @@ def _transport_for(transport: str, device: str) -> str:
     return transport
 
 
-def _shards_method(actor, transport: str):
-    return actor.shards if transport == "object_store" else actor.shards.options(tensor_transport=transport)
+def _shards_ref(actor, transport: str):
+    """The ref of `actor`'s shards over `transport` (through the object store as `Portable`: float8 shards too)."""
+    if transport == "object_store":
+        return actor.run.remote(portable_shards)
+    return actor.shards.options(tensor_transport=transport).remote()
 
 
 __all__ = ["load", "LoadedModel"]

@@ -11,13 +11,12 @@ the receiver keeps nothing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 from ..core.plans import RankPlan, TensorShard
 from ..errors import PeerFailedError, first_line
 from ..io.buffers import shard_buffers
-from ..io.stats import Counter, ReadStats
+from ..io.stats import Counter, Meter, ReadStats
 
 #: The backend name a receiving rank's ReadStats carry.
 BACKEND = "replica"
@@ -48,11 +47,10 @@ def receive_shards(source, plan: RankPlan, device: str, batch_bytes: int, transp
     import ray
     import torch
 
-    counter = Counter(on_progress)
+    counter, meter = Counter(on_progress), Meter()
     stats = ReadStats(backend=BACKEND, device=device, bytes_needed=plan.stats.bytes_needed)
     held = shard_buffers(torch, plan, torch.device(device), out)
     buffers = dict(zip((t.name for t in plan.tensors), (b for _, b in held)))
-    start = time.perf_counter()
     todo = list(batches(plan, batch_bytes))
     group = None
     try:
@@ -84,8 +82,7 @@ def receive_shards(source, plan: RankPlan, device: str, batch_bytes: int, transp
         if group is not None:
             _destroy(group)
     stats.bytes_from_replica = counter.value
-    stats.seconds = time.perf_counter() - start
-    return buffers, stats
+    return buffers, meter.stop(stats)
 
 
 class _Landing:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import DuplicateTensorError, IndexFileError, MissingTensorError, ModelConfigError, UnsafePathError
 from .header import FileHeader, TensorInfo
+from .quantization import Format, parse_quantization
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -38,21 +39,36 @@ class ModelConfig:
     num_experts: int | None = None
     #: Whether the head reuses the input embeddings (None: config.json does not say).
     tie_word_embeddings: bool | None = None
+    #: Multi-token-prediction layers after the last decoder layer (DeepSeek-V3's layer 61; 0: none).
+    num_nextn_predict_layers: int = 0
+    #: The format of `quantization_config` (None: not quantized), `raylazy.core.quantization`.
+    quantization: Format | None = None
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         if isinstance(raw.get("text_config"), dict):  # multimodal wrappers keep the LM config here
-            raw = {**raw["text_config"], "model_type": raw.get("model_type")}
+            raw = {"quantization_config": raw.get("quantization_config"), **raw["text_config"],
+                   "model_type": raw.get("model_type")}
         values = {"model_type": raw.get("model_type")}
         if values["model_type"] is not None and not isinstance(values["model_type"], str):
             raise ModelConfigError(f"{source}: model_type must be a string, got {values['model_type']!r}")
-        aliases = {"num_experts": ("num_local_experts", "num_experts", "n_routed_experts")}
+        aliases = {  # other names config.json uses for them (transformers' attribute_map of the config class)
+            "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
+            "num_attention_heads": ("num_attention_heads", "n_head"),
+            "hidden_size": ("hidden_size", "n_embd"),
+            "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        }
         tied = raw.get("tie_word_embeddings")
         if tied is not None and type(tied) is not bool:
             raise ModelConfigError(f"{source}: tie_word_embeddings must be true or false, got {tied!r}")
         values["tie_word_embeddings"] = tied
+        mtp = raw.get("num_nextn_predict_layers") or 0
+        if type(mtp) is not int or mtp < 0:
+            raise ModelConfigError(f"{source}: num_nextn_predict_layers must be a non-negative integer, got {mtp!r}")
+        values["num_nextn_predict_layers"] = mtp
+        values["quantization"] = parse_quantization(raw.get("quantization_config"), source)
         for f in fields(cls):
             if f.name in values:
                 continue
@@ -83,7 +99,8 @@ class Checkpoint:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for _, t in self.tensors())
+        """Bytes of tensor data: each file's data section (headers check that its tensors fill it exactly)."""
+        return sum(f.file_size - f.data_start for f in self.files)
 
 
 def parse_index(data: bytes, index: str) -> dict[str, str]:
@@ -94,16 +111,14 @@ def parse_index(data: bytes, index: str) -> dict[str, str]:
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8
         raise IndexFileError(f"{index}: not valid UTF-8 JSON: {str(e)[:200]}") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or set(map(type, weight_map)) - {str} or set(map(type, weight_map.values())) - {str}:
         raise IndexFileError(f"{index}: 'weight_map' must be an object mapping tensor names to file names")
-    for tensor, name in weight_map.items():
-        if not _is_plain_name(name):
-            raise UnsafePathError(
-                f"{index}: tensor {tensor!r} maps to {name!r}, which is not a plain file name in the model "
-                "directory (no directories, no '..', no absolute paths)"
-            )
+    if not all(map(_is_plain_name, set(weight_map.values()))):  # each file name once: an index names ~10^5 tensors
+        tensor, name = next((t, n) for t, n in weight_map.items() if not _is_plain_name(n))
+        raise UnsafePathError(
+            f"{index}: tensor {tensor!r} maps to {name!r}, which is not a plain file name in the model "
+            "directory (no directories, no '..', no absolute paths)"
+        )
     return weight_map
 
 
@@ -130,13 +145,17 @@ def cross_check(root: str, index: str, names: list[str], headers: tuple[FileHead
                 weight_map: dict | None) -> None:
     """DuplicateTensorError for a tensor in two files of `root`; MissingTensorError for an entry of index file
     `index` naming a file that does not hold the tensor."""
-    owner: dict[str, str] = {}
-    for name, header in zip(names, headers):
-        for t in header.tensors:
-            if t.name in owner:
-                raise DuplicateTensorError(f"{root}: tensor {t.name!r} appears in both {owner[t.name]} and {name}")
-            owner[t.name] = name
-    for tensor, name in (weight_map or {}).items():
+    owner = {t.name: name for name, header in zip(names, headers) for t in header.tensors}
+    if len(owner) != sum(len(h.tensors) for h in headers):  # a tensor in two files: name the first
+        seen: dict[str, str] = {}
+        for name, header in zip(names, headers):
+            for t in header.tensors:
+                if t.name in seen:
+                    raise DuplicateTensorError(f"{root}: tensor {t.name!r} appears in both {seen[t.name]} and {name}")
+                seen[t.name] = name
+    if not weight_map or weight_map.items() <= owner.items():
+        return
+    for tensor, name in weight_map.items():
         if owner.get(tensor) != name:
             raise MissingTensorError(
                 f"{index}: the index maps {tensor!r} to {name}, but "

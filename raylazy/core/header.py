@@ -19,8 +19,11 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain, repeat
+from math import prod
+from operator import add, attrgetter, floordiv, itemgetter, mod, mul, ne, sub
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import (
     DataLayoutError,
@@ -28,6 +31,7 @@ from ..errors import (
     FileSizeMismatchError,
     FileTooSmallError,
     HeaderEncodingError,
+    HeaderError,
     HeaderJSONError,
     HeaderLengthError,
     MetadataError,
@@ -54,11 +58,13 @@ _U64 = 2**64
 _I32_MAX = 2**31 - 1
 _NUMBER = re.compile(r"-?(\d+)(?:\.(\d+))?(?:[eE]([+-]?)(\d+))?")
 _ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
+#: Every digit as "0", to find runs of 20 digits with one substring search (`_special_ints`).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One tensor of a file: its dtype, shape and absolute byte range [start, end)."""
+class TensorInfo(NamedTuple):
+    """One tensor of a file: its dtype, shape and absolute byte range [start, end). A named tuple: a large
+    checkpoint's headers hold ~10^5 of them, and it is built 2-3x faster than a frozen dataclass."""
 
     name: str
     dtype: str
@@ -101,16 +107,18 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
         text = blob.decode("utf-8", errors="strict")
     except UnicodeDecodeError as e:
         raise HeaderEncodingError(path, f"header is not valid UTF-8 at byte {e.start} of {header_len}") from None
-    root = _parse_json(path, text)
-    metadata = None
-    tensors = []
-    for name, entry in root.items():
-        _check_text(path, name)
-        if name == "__metadata__":
-            metadata = _check_metadata(path, entry)
-        else:
-            tensors.append(_check_entry(path, name, entry, 8 + header_len))
-    tensors.sort(key=lambda t: (t.start, t.end))
+    common = _common_header(path, blob, text, 8 + header_len)
+    if common is None:  # read (again), every key and entry checked in order: the reference's first error
+        root, tensors, metadata = _parse_json(path, text, _special_ints(blob)), [], None
+        for name, entry in root.items():
+            _check_text(path, name)
+            if name == "__metadata__":
+                metadata = _check_metadata(path, entry)
+            else:
+                tensors.append(_check_entry(path, name, entry, 8 + header_len))
+    else:
+        tensors, metadata = common
+    tensors.sort(key=_BY_RANGE)
     _check_layout(path, tensors, 8 + header_len, file_size)
     return FileHeader(
         path=path,
@@ -120,6 +128,78 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
         metadata=metadata,
         digest=hashlib.sha256(data[: 8 + header_len]).hexdigest(),
     )
+
+
+def _common_header(path: str, blob: bytes, text: str, data_start: int) -> tuple[list[TensorInfo], Any] | None:
+    """(tensors, metadata) of a header of the common form, read at C speed: no `\\u` escape (so every string
+    is its bytes, and no lone surrogate can hide in one), JSON Python reads as the reference does, every entry
+    the common one (`_common_entries`), no key repeated (`_distinct_keys`). None for any other header, which
+    `parse_header` then reads key by key."""
+    if b"\\u" in blob:
+        return None
+    try:
+        root = _parse_json(path, text, _special_ints(blob), repeats=False)
+    except HeaderError:
+        return None
+    tensors = _common_entries(root, data_start)
+    if tensors is None or not _distinct_keys(blob, root, len(tensors)):
+        return None
+    return tensors, _check_metadata(path, root.get("__metadata__"))
+
+
+def _distinct_keys(blob: bytes, root: dict, entries: int) -> bool:
+    """Whether no key of the header `blob` was repeated, `root` being its JSON read without the check, of the
+    common form: `entries` entries of three keys, whose strings (known dtypes) hold no ':', and the metadata.
+    Without escapes, a ':' byte is either a key's colon or inside a string: the colons of the bytes are the
+    colons of the keys and strings read only if no key was dropped as a repetition."""
+    meta = root.get("__metadata__")
+    strings = list(root)
+    if isinstance(meta, dict) and set(map(type, meta.values())) <= {str}:
+        strings += [*meta, *meta.values()]
+    elif meta is not None:
+        return False
+    keys = len(root) + 3 * entries + (len(meta) if meta else 0)
+    return blob.count(b":") == keys + sum(map(str.count, strings, [":"] * len(strings)))
+
+
+_DTYPE, _SHAPE, _OFFSETS, _BY_RANGE = (itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets"),
+                                       attrgetter("start", "end"))
+_BITS = dict(DTYPE_BITS)
+
+
+def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
+    """The tensors of a header whose every entry is the common one, checked field by field over all entries at
+    once: exactly dtype, shape and data_offsets, a known dtype, dims and offsets integers in [0, 2**64) with no
+    empty dim, whole bytes that fill the offsets. None when any entry is not (`_check_entry` then finds it)."""
+    entries = {k: v for k, v in root.items() if k != "__metadata__"}
+    values = list(entries.values())
+    if not values:
+        return []
+    try:
+        if set(map(type, values)) != {dict} or set(map(len, values)) != {3}:
+            return None
+        dtypes, shapes, offsets = list(map(_DTYPE, values)), list(map(_SHAPE, values)), list(map(_OFFSETS, values))
+        if not set(dtypes) <= _BITS.keys() or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+            return None
+    except (KeyError, TypeError):  # a field missing, or one that is unhashable where a dtype should be
+        return None
+    dims = list(chain.from_iterable(shapes))
+    if set(map(len, offsets)) != {2} or (dims and not _u64s(dims, 1)):  # no 0 dim: no overflow past an empty one
+        return None
+    begins, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
+    if not _u64s(begins, 0) or not _u64s(ends, 0):
+        return None
+    bits = list(map(mul, map(prod, shapes), map(_BITS.__getitem__, dtypes)))
+    eight = repeat(8)
+    if max(bits) >= _U64 or any(map(mod, bits, eight)) or any(map(ne, map(floordiv, bits, eight), map(sub, ends, begins))):
+        return None
+    at = repeat(data_start)
+    return list(map(TensorInfo, entries, dtypes, map(tuple, shapes), map(add, begins, at), map(add, ends, at)))
+
+
+def _u64s(values: list, low: int) -> bool:
+    """Whether `values` are all integers (not bools) in [low, 2**64)."""
+    return set(map(type, values)) == {int} and min(values) >= low and max(values) < _U64
 
 
 def _check_item_counts(path: str, blob: bytes) -> None:
@@ -139,6 +219,12 @@ def _check_item_counts(path: str, blob: bytes) -> None:
             )
 
 
+def _special_ints(blob: bytes) -> bool:
+    """Whether header bytes `blob` may hold an integer the reference reads its own way: a `-0`, or 20 digits in a
+    row (a superset: the same bytes in strings and floats count too, and then every integer is read its way)."""
+    return b"-0" in blob or b"0" * 20 in blob.translate(_DIGITS_AS_ZERO)
+
+
 def check_length(path: str, prefix: bytes, file_size: int) -> int:
     n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER_BYTES:
@@ -150,17 +236,23 @@ def check_length(path: str, prefix: bytes, file_size: int) -> int:
 
 def _no_duplicates(path: str):
     def hook(pairs: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
-        for k, v in pairs:
-            if k in out:
-                raise DuplicateKeyError(path, f"header repeats the key {k!r}")
-            out[k] = v
+        out = dict(pairs)
+        if len(out) != len(pairs):  # a key repeats: name the first repetition
+            seen = set()
+            for k, _ in pairs:
+                if k in seen:
+                    raise DuplicateKeyError(path, f"header repeats the key {k!r}")
+                seen.add(k)
         return out
 
     return hook
 
 
-def _parse_json(path: str, text: str) -> dict:
+def _parse_json(path: str, text: str, special: bool = True, repeats: bool = True) -> dict:
+    """The header's JSON object, read as the reference reads it. `special`: the text may hold integers that the
+    reference reads its own way (`-0`, integers of 20 digits or more; `_special_ints` says); if not, Python's
+    own integer parsing stands, and no hook runs per integer. `repeats`: refuse a repeated key (False: the last
+    one stands, for `_common_header`, which counts the keys itself)."""
     def no_constant(name: str):
         raise HeaderJSONError(path, f"header uses the non-standard JSON constant {name}")
 
@@ -173,11 +265,11 @@ def _parse_json(path: str, text: str) -> dict:
     try:
         root = json.loads(
             text,
-            object_pairs_hook=_no_duplicates(path),
+            object_pairs_hook=_no_duplicates(path) if repeats else None,
             parse_constant=no_constant,
             parse_float=lambda s: number(s, float),
             # `-0` is a float to the reference reader; integers past 19 digits are floats there too
-            parse_int=lambda s: -0.0 if s == "-0" else int(s) if len(s) < 20 else number(s, int),
+            parse_int=(lambda s: -0.0 if s == "-0" else int(s) if len(s) < 20 else number(s, int)) if special else None,
         )
     except (ValueError, RecursionError) as e:  # JSONDecodeError, over-long integers, deep nesting
         raise HeaderJSONError(path, f"header is not valid JSON: {str(e)[:200]}") from None

@@ -41,10 +41,13 @@ class PlanOptions(BaseModel):
     pp_layers: tuple[Annotated[int, Field(ge=0)], ...] | None = None
     #: Whole routed experts to the tp ranks of their stage (`raylazy.core.placements.Expert`) instead of tp slices.
     expert_parallel: bool = False
+    #: Load the multi-token-prediction layers past the last decoder layer (config.json's num_nextn_predict_layers:
+    #: DeepSeek-V3's layer 61), on the last stage; by default they are skipped, as vLLM's main model skips them.
+    keep_mtp: bool = False
     preset: str | None = "auto"
     uneven: Literal["error", "chunk", "pad"] = "error"
-    #: Row gaps of at most this many bytes are read as one request; None: the storage's default (0 for local
-    #: files, 1 MiB for object storage: `raylazy.storage.objects.DEFAULT_MAX_GAP`).
+    #: Row gaps of at most this many bytes are read as one request; None: 0 for local files, and on object storage
+    #: whichever of whole or row by row the storage's cost model estimates sooner, per read (`raylazy.core.costs`).
     max_gap: int | None = Field(None, ge=0)
 
     @model_validator(mode="before")

@@ -49,7 +49,8 @@ class ShardContext(NamedTuple):
 
     `rank` and `tp` are the rank's tensor-parallel coordinate and the tp size (what
     most placements need); `coords` holds the rank's coordinate along every mesh
-    dimension (`raylazy.core.mesh.DIMS`); `name` is the tensor's name; `expert_parallel`
+    dimension (`raylazy.core.mesh.DIMS`); `name` is the tensor's name (for a quantized
+    layer's companion, its weight's: `raylazy.core.quantization`); `expert_parallel`
     and `num_experts` (config.json's) are for `Expert`.
     """
 

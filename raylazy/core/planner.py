@@ -3,19 +3,40 @@
 from __future__ import annotations
 
 import gc
+import re
 from contextlib import contextmanager
 from math import prod
+from typing import NamedTuple
 
-from ..errors import PartialByteSliceError, ShardingError, StageError
+from ..errors import (
+    PartialByteSliceError,
+    QuantizedLayoutError,
+    ShardingError,
+    StageError,
+    UnsupportedQuantizationError,
+)
 from .checkpoint import Checkpoint
+from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .header import TensorInfo
 from .mesh import Mesh
 from .options import PlanOptions
-from .placements import ShardContext, Slicing
+from .placements import Placement, ShardContext, Slicing
 from .plans import FileRef, Plan, RankPlan, Read, TensorShard
+from .quantization import Following
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
-from .stages import partition, tensor_stages
+from .stages import layer_index, partition, tensor_stages
+
+
+class Placed(NamedTuple):
+    """How tensors are placed: the placement, the label plans show, the pattern of the rule that chose it, and
+    whether the placement says which ranks hold a tensor (`Placement.holders`; else all of them). Shared by every
+    tensor the same rule places the same way."""
+
+    placement: Placement
+    label: str
+    pattern: str
+    holders: bool
 
 
 @contextmanager
@@ -33,58 +54,30 @@ def gc_paused():
 
 
 def plan_checkpoint(ckpt: Checkpoint, opts: PlanOptions, rules: RulesLike | None = None,
-                    default_max_gap: int = 0) -> Plan:
+                    cost: CostModel | None = None) -> Plan:
     """Plan which bytes of which file every rank of `opts.mesh` reads, from headers already read (`ckpt`).
 
     With pipeline stages, each stage's ranks get only its tensors (`raylazy.core.stages`: vLLM's layer split,
     or `opts.pp_layers` per stage); with `opts.expert_parallel`, routed experts go whole to the tp ranks of
-    their stage. `opts.max_gap` None: `default_max_gap` (the storage's: 0 for local files)."""
+    their stage. `opts.max_gap` None: each row-split read is gathered where the storage's `cost` model estimates
+    it sooner (the plan's max_gap is then None), or never without one (local files: max_gap 0)."""
+    if opts.max_gap is not None or cost is None:
+        opts, cost = opts.model_copy(update={"max_gap": opts.max_gap or 0}), None
     with gc_paused():
-        return _plan(ckpt, rules, opts if opts.max_gap is not None else
-                     opts.model_copy(update={"max_gap": default_max_gap}))
+        return _plan(ckpt, rules, opts, cost)
 
 
-def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
+def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, cost: CostModel | None) -> Plan:
     mesh = opts.mesh
-    cfg = ckpt.config
-    all_rules = resolve_rules(cfg.model_type, rules, opts.preset)
-    chosen = match(all_rules, (t.name for _, t in ckpt.tensors()))
-    coords = [mesh.coords(r) for r in range(mesh.size // mesh.dp)]  # one replica: the others are copies
-    rank_of = [[mesh.rank(pp=s, tp=k) for k in range(mesh.tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
-    stages = _stages(ckpt, opts, all_rules, [n for n, rule in chosen.items() if rule.placement.loaded])
-    labels = {id(r): r.placement.describe() for r in all_rules}
-
-    def context(rank: int, name: str) -> ShardContext:
-        c = coords[rank]
-        return ShardContext(c["tp"], mesh.tp, cfg.num_attention_heads, cfg.num_key_value_heads, opts.uneven, name, c,
-                            opts.expert_parallel, cfg.num_experts)
-
-    per_rank: list[list[TensorShard]] = [[] for _ in coords]
-    skipped = []
-    for fi, t in ckpt.tensors():
-        rule = chosen[t.name]
-        placement, label = rule.placement, labels[id(rule)]
-        if not placement.loaded:
-            skipped.append(t.name)
-            continue
-        whole = None  # one shard object shared by every rank that gets the whole tensor
-        try:
-            for s in stages.get(t.name, (0,)):
-                holders = placement.holders(t.shape, context(rank_of[s][0], t.name))
-                for r in (rank_of[s][k] for k in (range(mesh.tp) if holders is None else holders)):
-                    slicing = placement.slicing(t.shape, context(r, t.name))
-                    if slicing is None:
-                        whole = whole or tensor_shard(fi, t, label, None, opts.max_gap)
-                        per_rank[r].append(whole)
-                    else:
-                        per_rank[r].append(tensor_shard(fi, t, label, slicing, opts.max_gap, ckpt.files[fi].path))
-        except ShardingError as e:
-            raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
-                          f"({label}, rule {rule.pattern!r}): {e}") from None
+    all_rules = resolve_rules(ckpt.config.model_type, rules, opts.preset)
+    tensors = list(ckpt.tensors())
+    placed, weights, skipped = _placements(ckpt, tensors, all_rules, opts)
+    stages = _stages(ckpt, opts, all_rules, placed, weights)
+    per_rank = _shards(ckpt, tensors, placed, weights, stages, opts, cost)
     files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
-        model_type=cfg.model_type,
+        model_type=ckpt.config.model_type,
         mesh=mesh,
         max_gap=opts.max_gap,
         uneven=opts.uneven,
@@ -94,6 +87,93 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions) -> Plan:
         ranks=tuple(RankPlan(rank=r, mesh=mesh, files=files, tensors=tuple(s)) for r, s in enumerate(per_rank)),
     )
     return with_replicas(plan, mesh.dp)
+
+
+def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dict[str, Placed],
+            weights: dict[str, str], stages: dict[str, tuple[int, ...]], opts: PlanOptions,
+            cost: CostModel | None) -> list[list[TensorShard]]:
+    """Every rank's shards (of one replica: the others are copies), in file order. The tp ranks of a stage that
+    hold a tensor are asked of its placement once (`holders`), then each is sliced. A companion's placement sees
+    its weight's name, and is held by the ranks that hold its weight (asked once for the weight and all its
+    companions)."""
+    mesh, cfg = opts.mesh, ckpt.config
+    tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap or 0
+    heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+    per_rank: list[list[TensorShard]] = [[] for _ in range(mesh.size // mesh.dp)]
+    ranks = [[mesh.rank(pp=s, tp=k) for k in range(tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
+    coords = [[mesh.coords(r) for r in stage] for stage in ranks]
+    lists = [[per_rank[r] for r in stage] for stage in ranks]
+    every, known = tuple(range(tp)), {}  # known: (weight, stage) -> holders
+    for fi, t in tensors:
+        p = placed.get(t.name)
+        if p is None:
+            continue
+        placement, name, whole = p.placement, weights.get(t.name, t.name), None  # whole: shared by all ranks
+        try:
+            for s in stages.get(t.name, (0,)):
+                holders = None
+                if p.holders:  # a placement that may leave ranks out
+                    holders = known.get((name, s), known)
+                    if holders is known:
+                        ctx = ShardContext(0, tp, heads, kv, uneven, name, coords[s][0], ep, experts)
+                        holders = known[name, s] = placement.holders(t.shape, ctx)
+                for k in every if holders is None else holders:
+                    slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name, coords[s][k], ep,
+                                                                      experts))
+                    if slicing is not None:
+                        lists[s][k].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path, cost))
+                        continue
+                    whole = whole or tensor_shard(fi, t, p.label, None, 0)
+                    lists[s][k].append(whole)
+        except ShardingError as e:
+            raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
+                          f"({p.label}, rule {p.pattern!r}): {e}") from None
+    return per_rank
+
+
+def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: tuple[Rule, ...],
+                opts: PlanOptions) -> tuple[dict[str, Placed], dict[str, str], list[str]]:
+    """Every loaded tensor's placement, each companion's weight, and the names of the tensors not loaded (in
+    file order).
+
+    A plain tensor gets its rule's placement; a quantized layer's companion (`raylazy.core.quantization`) gets
+    its weight's rule, followed at the companion's granularity. Multi-token-prediction layers (config.json's
+    num_nextn_predict_layers past the last layer) are not loaded unless `opts.keep_mtp`, as vLLM's main model
+    skips them."""
+    cfg = ckpt.config
+    by_name = {t.name: t for _, t in tensors}
+    try:
+        layout = cfg.quantization.companions(by_name) if cfg.quantization else {}
+    except (QuantizedLayoutError, UnsupportedQuantizationError) as e:
+        raise type(e)(f"{ckpt.root}: {e}") from None
+    drop = set() if opts.keep_mtp else _mtp_names(cfg, by_name)
+    kept = [n for n in by_name if n not in drop] if drop else list(by_name)
+    chosen = match(rules, dict.fromkeys([layout[n].weight if n in layout else n for n in kept] if layout else kept),
+                   cfg.model_type)
+    shared: dict[tuple[int, int], Placed] = {}  # (rule, companion layout) -> how its tensors are placed
+    placed, skipped = {}, set(drop)
+    for name in kept:
+        c = layout.get(name)
+        rule = chosen[c.weight if c else name]
+        if not rule.placement.loaded:
+            skipped.add(name)
+            continue
+        key = (id(rule), id(c.layout) if c else 0)
+        if key not in shared:
+            p = Following(rule.placement, c.layout) if c else rule.placement
+            shared[key] = Placed(p, p.describe(), rule.pattern, type(p).holders is not Placement.holders)
+        placed[name] = shared[key]
+    weights = {n: c.weight for n, c in layout.items() if n in placed}
+    return placed, weights, [n for n in by_name if n in skipped] if skipped else []
+
+
+def _mtp_names(cfg, tensors) -> set[str]:
+    """The tensors of the multi-token-prediction layers: layers [L, L + num_nextn_predict_layers) of a model of L."""
+    if not cfg.num_nextn_predict_layers or cfg.num_hidden_layers is None:
+        return set()
+    mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    mark = re.compile("|".join(rf"layers\.{i}\." for i in mtp)).search
+    return {n for n in tensors if mark(n) and layer_index(n) in mtp}
 
 
 def with_replicas(plan: Plan, dp: int) -> Plan:
@@ -106,8 +186,10 @@ def with_replicas(plan: Plan, dp: int) -> Plan:
     return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
 
 
-def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names: list[str]) -> dict[str, tuple[int, ...]]:
-    """The pipeline stages of each loaded tensor (empty with one stage: everything is on stage 0)."""
+def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], placed: dict[str, Placed],
+            weights: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """The pipeline stages of each loaded tensor (empty with one stage: everything is on stage 0). A companion
+    without a layer index (a quantized head's scale) goes where a stage rule puts its weight."""
     if opts.mesh.pp == 1:
         return {}
     cfg = ckpt.config
@@ -118,16 +200,19 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], names:
     tied = cfg.tie_word_embeddings
     if tied is None:  # config.json does not say: tied when there is no head of its own
         tied = not any(t.name == "lm_head.weight" for _, t in ckpt.tensors())
-    return tensor_stages(names, partition(layers, opts.mesh.pp, opts.pp_layers), lambda n: stage_of(rules, n), tied)
+    return tensor_stages(placed, partition(layers, opts.mesh.pp, opts.pp_layers),
+                         lambda n: stage_of(rules, weights.get(n, n)), tied,
+                         cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
 
 
-def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "") -> TensorShard:
+def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "",
+                 cost: CostModel | None = None) -> TensorShard:
     """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, with the
-    byte ranges to read (row gaps of at most `max_gap` bytes read through; `path` names the file in errors)."""
+    byte ranges to read (row gaps read through where `cost` estimates that sooner, else where at most `max_gap`
+    bytes; `path` names the file in errors)."""
     if slicing is None:
-        read = Read(file=fi, offset=t.start, length=t.nbytes, dst_offset=0)
-        return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=t.shape, shape=t.shape, placement=placement,
-                           dim=None, pieces=(), reads=(read,) if t.nbytes else ())
+        return TensorShard(t.name, fi, t.start, t.dtype, t.shape, t.shape, placement, None, (),
+                           (Read(fi, t.start, t.end - t.start, 0),) if t.end > t.start else ())
     d, shape = slicing.dim, t.shape
     bits = DTYPE_BITS[t.dtype]
     outer, inner_bits = prod(shape[:d]), prod(shape[d + 1 :]) * bits
@@ -147,8 +232,9 @@ def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None
                               dst_offset=offs[3] // 8))
             continue
         src, length, stride, dst, dst_stride = (b // 8 for b in offs)
+        gather = cost.gather(length, stride, outer) if cost is not None else stride - length <= max_gap
         reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
-                          stride=stride, dst_stride=dst_stride, gather=stride - length <= max_gap))
+                          stride=stride, dst_stride=dst_stride, gather=gather))
     out_shape = shape[:d] + (slicing.length,) + shape[d + 1 :]
     return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
                        pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces), reads=tuple(reads))

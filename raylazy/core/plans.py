@@ -12,6 +12,7 @@ import os
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import core_schema
 
 from ..errors import LayoutMismatchError, PlanFormatError
 from .dtypes import DTYPE_BITS
@@ -37,7 +38,18 @@ class FileRef(_Frozen):
         return cls(uri=header.path, size=header.file_size, digest=header.digest, version=header.version)
 
 
-class Read(_Frozen):
+def _record_schema(source: type, handler, dump) -> core_schema.CoreSchema:
+    """How pydantic holds the plan's per-tensor records (`Read`, `TensorShard`), named tuples: the planner builds
+    ~10^5 of them for a large checkpoint, and a validated model took most of planning's time. An instance is taken
+    as it is; JSON is read into one as a model's fields are (checked, extra keys refused) and written as an object
+    of its fields (`dump`)."""
+    native = handler(source)
+    return core_schema.json_or_python_schema(
+        json_schema=native, python_schema=core_schema.union_schema([core_schema.is_instance_schema(source), native]),
+        serialization=core_schema.plain_serializer_function_ser_schema(dump))
+
+
+class Read(NamedTuple):
     """`count` ranges of `length` bytes at file[offset + i*stride] -> shard[dst_offset + i*dst_stride]."""
 
     file: int
@@ -66,8 +78,12 @@ class Read(_Frozen):
     def requests(self) -> int:
         return 1 if self.gather else self.count
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _record_schema(source, handler, Read._asdict)
 
-class TensorShard(_Frozen):
+
+class TensorShard(NamedTuple):
     """One tensor as one rank gets it.
 
     The shard has `shape`; along `dim`, each piece `(src, dst, length)` copies entries
@@ -105,6 +121,10 @@ class TensorShard(_Frozen):
     @property
     def requests(self) -> int:
         return sum(r.requests for r in self.reads)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _record_schema(source, handler, lambda t: {**t._asdict(), "reads": [r._asdict() for r in t.reads]})
 
 
 class RankStats(_Frozen):
@@ -186,7 +206,8 @@ class Plan(_Frozen):
     root: str
     model_type: str | None
     mesh: Mesh
-    max_gap: int
+    #: Row gaps of at most this many bytes were read through; None: each read chose by the storage's cost model.
+    max_gap: int | None
     uneven: str
     checkpoint_bytes: int
     files: tuple[FileRef, ...]
@@ -270,7 +291,7 @@ class Plan(_Frozen):
         total = sum(rp.stats.bytes_read for rp in reading)
         lines.append(
             f"all ranks read {format_bytes(total)} ({total / max(naive, 1):.2f}x the checkpoint; reading every tensor "
-            f"whole on every rank would be {len(reading)}x){'; skipped: ' + ', '.join(self.skipped) if self.skipped else ''}"
+            f"whole on every rank would be {len(reading)}x){_skipped(self.skipped)}"
         )
         if self.mesh.dp > 1:
             lines.append(f"replicas 1-{self.mesh.dp - 1} ({len(self.ranks) - len(reading)} rank(s)) copy the same shards "
@@ -283,6 +304,15 @@ class Plan(_Frozen):
                 f"{format_bytes(n.stripe_bytes)}"
             )
         return "\n".join(lines)
+
+
+def _skipped(names: tuple[str, ...], shown: int = 10) -> str:
+    """The summary's note of the tensors not loaded: the first `shown` names, and how many more (DeepSeek-V3 skips
+    its 1,564-tensor multi-token-prediction layer)."""
+    if not names:
+        return ""
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return f"; skipped: {', '.join(names[:shown])}{more}"
 
 
 def format_bytes(n: int) -> str:

@@ -1,8 +1,9 @@
-"""Rules map tensor names to placements; presets hold the rules of known architectures.
+"""Rules map tensor names to placements; presets hold what the declared plans of known architectures do not say.
 
 A rule is a pattern (a glob by default, a regular expression with `regex=True`)
-and a placement. The first rule that matches a name wins. User rules go before
-the preset chosen from config.json's `model_type`, so they override it. A rule may
+and a placement. The first rule that matches a name wins. User rules go first, then
+the built-in rules of config.json's `model_type`: its preset, then the rules of the
+tensor-parallel plan transformers declares for it (`raylazy.core.declared`). A rule may
 also name the pipeline stage of tensors without a layer index (`raylazy.core.stages`):
 the first matching rule that names one decides.
 """
@@ -10,6 +11,7 @@ the first matching rule that names one decides.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from ..errors import RuleError, RuleFileError, UnknownArchitectureError, UnmatchedTensorError
+from .declared import declared_rules, declared_types
 from .placements import Expert, Fused, Heads, Placement, Replicated, Skip, Split, placement_from_dict
 from .stages import Stage
 
@@ -51,82 +54,93 @@ RulesLike = Sequence[Rule | tuple] | Mapping[str, Placement]
 
 COLUMN, ROW = Split(0), Split(-1)
 
+# Presets hold only what transformers' declared plan of a model type does not say (raylazy.core.declared has the rest).
+# Their patterns name a layer's weight and bias, never `layer.*`: a quantized checkpoint's companions of a weight
+# (`weight_scale_inv`, ...) are sharded at their own granularity, not as the weight.
+
+
+def _weight_and_bias(layer: str, placement: Placement) -> tuple[Rule, Rule]:
+    return Rule(f"{layer}.weight", placement), Rule(f"{layer}.bias", placement)
+
+
+#: Llama-family checkpoints converted from other layouts hold fused q|k|v and gate|up projections, and older
+#: exports a stale rotary buffer: none of them is a parameter of transformers' model.
 _LLAMA = (
-    Rule("*.self_attn.q_proj.*", Heads("q")),
-    Rule("*.self_attn.k_proj.*", Heads("kv")),
-    Rule("*.self_attn.v_proj.*", Heads("kv")),
-    Rule("*.self_attn.qkv_proj.*", Fused((Heads("q"), Heads("kv"), Heads("kv")))),
-    Rule("*.self_attn.o_proj.weight", ROW),
+    *_weight_and_bias("*.self_attn.qkv_proj", Fused((Heads("q"), Heads("kv"), Heads("kv")))),
     Rule("*.mlp.gate_up_proj.weight", Fused((COLUMN, COLUMN))),
-    Rule("*.mlp.gate_proj.*", COLUMN),
-    Rule("*.mlp.up_proj.*", COLUMN),
-    Rule("*.mlp.down_proj.weight", ROW),
-    Rule("*.bias", Replicated()),  # row-parallel biases (o_proj, down_proj) are added once, after the reduce
-    Rule("model.norm.weight", Replicated(), stage="last"),  # the final norm
-    Rule("*norm.weight", Replicated()),
     Rule("*.rotary_emb.inv_freq", Skip()),
-    Rule("model.embed_tokens.weight", COLUMN, stage="embedding"),  # vocab-parallel
-    Rule("lm_head.weight", COLUMN, stage="last"),
 )
 
-#: Routed experts: tp-sharded like an MLP, or with expert parallel whole experts to one rank each.
-#: transformers 5 holds them fused in memory (and checkpoints saved from its state_dict have them so on disk):
-#: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
-_FUSED_EXPERTS = (
-    Rule("*.experts.gate_up_proj", Expert(Fused((Split(1), Split(1)), dim=1), dim=0)),
-    Rule("*.experts.down_proj", Expert(Split(-1), dim=0)),
-    Rule("*.mlp.gate.weight", Replicated()),  # the router
-)
-
-_MIXTRAL = (
-    Rule("*.block_sparse_moe.gate.weight", Replicated()),
-    Rule("*.block_sparse_moe.experts.*.w1.weight", Expert(COLUMN)),
-    Rule("*.block_sparse_moe.experts.*.w3.weight", Expert(COLUMN)),
-    Rule("*.block_sparse_moe.experts.*.w2.weight", Expert(ROW)),
-) + _FUSED_EXPERTS + _LLAMA
-
-#: Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3 name routed experts `mlp.experts.<e>.{gate,up,down}_proj`; shared
-#: experts and dense layers are tp-sharded MLPs (as vLLM shards them). The routed experts' rules come first:
-#: they match most tensors of these models.
-_ROUTED = (
-    Rule("*.mlp.experts.*.gate_proj.weight", Expert(COLUMN)),
-    Rule("*.mlp.experts.*.up_proj.weight", Expert(COLUMN)),
-    Rule("*.mlp.experts.*.down_proj.weight", Expert(ROW)),
-)
-
-_QWEN_MOE = _ROUTED + (
+#: Qwen2-MoE's shared expert: transformers leaves it replicated, engines shard it as an MLP (vLLM does).
+_QWEN2_MOE = (
     Rule("*.mlp.shared_expert.gate_proj.weight", COLUMN),
     Rule("*.mlp.shared_expert.up_proj.weight", COLUMN),
     Rule("*.mlp.shared_expert.down_proj.weight", ROW),
-    Rule("*.mlp.shared_expert_gate.weight", Replicated()),
-) + _FUSED_EXPERTS + _LLAMA
+) + _LLAMA
 
-#: DeepSeek-V2/V3 multi-head latent attention: the low-rank down-projections are replicated, the up-projections
-#: split by whole heads (q_b_proj: heads x qk_head_dim rows, kv_b_proj: heads x (qk_nope + v) rows), o_proj
-#: row-parallel; the router's score correction bias is replicated.
-_DEEPSEEK = _ROUTED + (
-    Rule("*.self_attn.q_a_proj.weight", Replicated()),
-    Rule("*.self_attn.kv_a_proj_with_mqa.weight", Replicated()),
+#: The multi-token-prediction layer after the last (DeepSeek-V3's layer 61, planned with keep_mtp=True; transformers'
+#: model has none, so no declared plan names it), as vLLM's DeepSeekMTP holds it: eh_proj a plain nn.Linear (whole),
+#: its norms replicated, its embeddings and head vocab-parallel; its decoder layer is the other layers' kind.
+_MTP = (
+    Rule("*.eh_proj.weight", Replicated()),
+    Rule("*.enorm.weight", Replicated()),
+    Rule("*.hnorm.weight", Replicated()),
+    Rule("*.shared_head.norm.weight", Replicated()),
+    Rule("*.shared_head.head.weight", COLUMN),
+    Rule("model.layers.*.embed_tokens.weight", COLUMN),
+)
+
+#: DeepSeek-V3's multi-head latent attention, which its declared plan leaves out: the low-rank down-projections stay
+#: replicated (the plan's default), the up-projections are split by whole heads (q_b_proj: heads x qk_head_dim
+#: rows, kv_b_proj: heads x (qk_nope + v) rows), o_proj is row-parallel.
+_DEEPSEEK_V3 = (
+    Rule("*.self_attn.q_proj.weight", Heads("q")),
     Rule("*.self_attn.q_b_proj.weight", Heads("q")),
     Rule("*.self_attn.kv_b_proj.weight", Heads("q")),
-    Rule("*.mlp.shared_experts.gate_proj.weight", COLUMN),
-    Rule("*.mlp.shared_experts.up_proj.weight", COLUMN),
-    Rule("*.mlp.shared_experts.down_proj.weight", ROW),
-    Rule("*.mlp.gate.e_score_correction_bias", Replicated()),
-) + _FUSED_EXPERTS + _LLAMA
+    Rule("*.self_attn.o_proj.weight", ROW),
+    *_MTP,
+) + _LLAMA
 
-#: Rules of the on-disk tensor names of each supported `model_type`.
+#: gpt-oss declares only its embeddings. Attention as an engine shards it, each head's sink with its head; the
+#: experts lie [E, H, 2I] with gate and up interleaved along 2I, so a contiguous split takes whole (gate, up)
+#: pairs (as vLLM splits them); down_proj [E, I, H] splits I; its bias is added once, after the reduce.
+_GPT_OSS = (
+    *_weight_and_bias("*.self_attn.q_proj", Heads("q")),
+    *_weight_and_bias("*.self_attn.k_proj", Heads("kv")),
+    *_weight_and_bias("*.self_attn.v_proj", Heads("kv")),
+    Rule("*.self_attn.o_proj.weight", ROW),
+    Rule("*.self_attn.sinks", Heads("q")),
+    Rule("*.mlp.experts.gate_up_proj", Expert(ROW, dim=0)),
+    Rule("*.mlp.experts.gate_up_proj_bias", Expert(ROW, dim=0)),
+    Rule("*.mlp.experts.down_proj", Expert(Split(1), dim=0)),
+    Rule("*.mlp.experts.down_proj_bias", Expert(Replicated(), dim=0)),
+)
+
+#: Rules of the on-disk tensor names of a `model_type`, before its declared plan's (`raylazy.core.declared`).
 PRESETS: Mapping[str, tuple[Rule, ...]] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
-    "mixtral": _MIXTRAL,
-    "qwen2_moe": _QWEN_MOE,
-    "qwen3_moe": _QWEN_MOE,
-    "deepseek_v2": _DEEPSEEK,
-    "deepseek_v3": _DEEPSEEK,
+    "mixtral": _LLAMA,
+    "qwen2_moe": _QWEN2_MOE,
+    "qwen3_moe": _LLAMA,
+    "deepseek_v2": _LLAMA,
+    "deepseek_v3": _DEEPSEEK_V3,
+    "gpt_oss": _GPT_OSS,
 }
+
+
+def planned_types() -> frozenset[str]:
+    """Every model type raylazy has rules for: a preset, a declared plan, or both."""
+    return frozenset(PRESETS) | declared_types()
+
+
+@functools.cache
+def builtin_rules(model_type: str | None) -> tuple[Rule, ...]:
+    """The preset of `model_type`, then the rules of its declared plan (none for a model type raylazy does not know)."""
+    declared = tuple(Rule(r.regex, r.placement, regex=True, stage=r.stage) for r in declared_rules(model_type))
+    return PRESETS.get(model_type, ()) + declared
 
 
 def as_rules(rules: RulesLike | None) -> tuple[Rule, ...]:
@@ -178,38 +192,100 @@ def _rule_entry(path, i: int, entry) -> Rule:
 
 
 def resolve_rules(model_type: str | None, rules: RulesLike | None = None, preset: str | None = "auto") -> tuple[Rule, ...]:
-    """User rules followed by the preset (`"auto"`: the one for `model_type`; None: no preset)."""
+    """User rules, then the built-in rules (`builtin_rules`) of `preset`: `"auto"`, those of `model_type`; another
+    name, those of that model type; None, none. For a model type raylazy does not know, the user rules alone (`match`
+    names what they leave unmatched); a preset raylazy does not know is an UnknownArchitectureError."""
     user = as_rules(rules)
     name = model_type if preset == "auto" else preset
-    if name in PRESETS:
-        return user + PRESETS[name]
-    if user and preset in ("auto", None):
-        return user
-    raise UnknownArchitectureError(
-        f"no sharding preset for model_type {name!r} (presets: {', '.join(sorted(PRESETS))}); pass your own "
-        "rules, e.g. rules=[('*.q_proj.weight', Heads('q')), ('*.o_proj.weight', Split(-1)), "
-        "('*norm.weight', Replicated())], or preset='llama' if its tensor names match"
-    )
+    builtin = builtin_rules(name) if name is not None else ()
+    if not builtin and preset not in ("auto", None):
+        raise UnknownArchitectureError(
+            f"preset={preset!r} names no model type raylazy has rules for ({len(planned_types())} model types: a "
+            f"preset for {', '.join(sorted(PRESETS))}, and those transformers declares a tensor-parallel plan for; "
+            "docs/rules.md lists them)")
+    return user + builtin
 
 
-def match(rules: Iterable[Rule], names: Iterable[str]) -> dict[str, Rule]:
-    """The first matching rule of every name; unmatched names are an error listing them."""
+def match(rules: Iterable[Rule], names: Iterable[str], model_type: str | None = None) -> dict[str, Rule]:
+    """The first matching rule of every name; unmatched names are an error listing them (an UnknownArchitectureError
+    when there are no rules at all: `model_type` has no preset and no declared plan, and none were given)."""
     rules = tuple(rules)
+    first = _first_match(rules)
     found, unmatched = {}, []
     for name in names:
-        rule = next((r for r in rules if r.matches(name)), None)
-        if rule is None:
+        i = first(name)
+        if i is None:
             unmatched.append(name)
         else:
-            found[name] = rule
+            found[name] = rules[i]
     if unmatched:
         shown = ", ".join(repr(n) for n in unmatched[:10])
         more = f" and {len(unmatched) - 10} more" if len(unmatched) > 10 else ""
-        raise UnmatchedTensorError(
-            f"{len(unmatched)} tensor(s) match no sharding rule: {shown}{more}; add rules for them "
-            "(Replicated() to load whole on every rank, Skip() to leave them out)"
-        )
+        fix = ("give rules for them: rules=[('*.my_proj.weight', Split(-1)), ...] (Replicated() to load whole on every "
+               "rank, Skip() to leave them out), or `--rules FILE` on the command line (docs/rules.md)")
+        if not rules:
+            raise UnknownArchitectureError(
+                f"no sharding rules for model_type {model_type!r}: raylazy has no preset for it and transformers "
+                f"declares no tensor-parallel plan for it, so its {len(unmatched)} tensor(s) match no rule: {shown}"
+                f"{more}; {fix}, or preset='llama' if its tensor names are Llama's")
+        raise UnmatchedTensorError(f"{len(unmatched)} tensor(s) match no sharding rule: {shown}{more}; {fix}")
     return found
+
+
+#: An index segment of a tensor name (`layers.12.`): all digits, between dots or the name's ends.
+_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")
+#: A segment of a regular expression rule that matches by segments: an index, or a literal that is not all digits.
+_SEGMENT = re.compile(r"\\d\+|\w*[^\W\d]\w*")
+
+
+def _index_blind(rule: Rule) -> bool:
+    """Whether the rule matches a name or not whatever its index segments hold: a glob without digits, `?` or `[`,
+    or a regular expression of whole segments between escaped dots, each a literal or `\\d+` (declared plans')."""
+    if not rule.regex:
+        return re.fullmatch(r"[^0-9?[\]]*", rule.pattern) is not None
+    return all(_SEGMENT.fullmatch(p) for p in rule.pattern.split(r"\."))
+
+
+@functools.lru_cache(maxsize=32)
+def _first_match(rules: tuple[Rule, ...]):
+    """A function: name -> the index of the first of `rules` that matches it, or None (an index: equal rule tuples
+    share the cache). Planning matches 10^5 names of a few dozen kinds: when every rule is `_index_blind`, names
+    that differ only in their indices share one answer; consecutive groupless rules are tried as one alternation."""
+    runs: list[list[int]] = []
+    for i, rule in enumerate(rules):
+        if rule._re.groups == 0 and runs and rules[runs[-1][-1]]._re.groups == 0:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    tries = [t for run in runs for t in _joined(rules, run)]
+
+    def scan(name: str) -> int | None:
+        for pattern, run in tries:
+            if (m := pattern.fullmatch(name)) is not None:
+                return run[m.lastindex - 1] if m.lastindex else run[0]
+        return None
+
+    if not all(map(_index_blind, rules)):
+        return scan
+    answers: dict[str, int | None] = {}
+
+    def first(name: str) -> int | None:
+        key = _INDEX.sub("*", name)
+        if key not in answers:
+            answers[key] = scan(name)
+        return answers[key]
+
+    return first
+
+
+def _joined(rules: tuple[Rule, ...], run: list[int]) -> list[tuple[re.Pattern, list[int]]]:
+    """(pattern, rule indices): a run's patterns as one alternation, a group a rule, or each rule alone."""
+    if len(run) > 1:
+        try:
+            return [(re.compile("|".join(f"({rules[i]._re.pattern})" for i in run)), run)]
+        except re.error:  # inline flags are valid only at the start of a pattern: try such rules one by one
+            pass
+    return [(rules[i]._re, [i]) for i in run]
 
 
 def stage_of(rules: Iterable[Rule], name: str) -> Stage | None:

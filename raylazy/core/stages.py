@@ -44,10 +44,11 @@ def tensor_stages(
     counts: Sequence[int],
     stage_rule: Callable[[str], Stage | None],
     tied: bool,
+    extra: int = 0,
 ) -> dict[str, tuple[int, ...]]:
     """Each name -> the stages that hold it, the stages holding `counts` layers each in order. `stage_rule(name)`
     gives the stage a rule names for a tensor without a layer index (None: no rule does); `tied`: the word
-    embeddings are the head too."""
+    embeddings are the head too; `extra`: layers after the last (multi-token prediction) the last stage holds."""
     pp, by_layer = len(counts), [s for s, n in enumerate(counts) for _ in range(n)]  # layer -> its stage
     named = {"first": (0,), "last": (pp - 1,), "all": tuple(range(pp)),
              "embedding": tuple(sorted({0, pp - 1})) if tied else (0,)}
@@ -61,11 +62,13 @@ def tensor_stages(
                                  "its pipeline stage: add one, e.g. rules=[Rule('" + name + "', Replicated(), "
                                  "stage='first')] ('first', 'last', 'all' or 'embedding')")
             out[name] = named[stage]
-        elif layer >= len(by_layer):
+        elif layer >= len(by_layer) + extra:
             raise StageError(f"tensor {name!r} is in layer {layer}, but the model has {len(by_layer)} layers "
-                             f"(config.json's num_hidden_layers; layers 0-{len(by_layer) - 1}); extra layers (e.g. DeepSeek's "
-                             f"multi-token-prediction layer) are not planned: skip them with "
-                             f"rules=[('*layers.{layer}.*', Skip())]")
+                             f"(config.json's num_hidden_layers; layers 0-{len(by_layer) - 1}) and {extra} "
+                             "multi-token-prediction layer(s) after them (num_nextn_predict_layers; kept with "
+                             f"keep_mtp=True); skip the layer with rules=[('*layers.{layer}.*', Skip())]")
+        elif layer >= len(by_layer):
+            out[name] = (pp - 1,)
         else:
             out[name] = (by_layer[layer],)
     return out

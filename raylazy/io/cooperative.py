@@ -58,7 +58,7 @@ from ..core.schedule import NodeTask, rank_keeps
 from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
 from .buffers import shard_buffers, shards_of
-from .stats import Counter, Progress, ReadStats
+from .stats import Counter, Meter, Progress, ReadStats
 
 PENDING, READY, FAILED = 0, 1, 2
 #: madvise(MADV_POPULATE_READ) (Linux >= 5.14; Python's mmap module lacks the constant); 0 once it failed.
@@ -91,7 +91,7 @@ def read_rank_cooperative(
     sched = node.schedule
     if plan.rank not in sched.ranks:
         raise ConfigurationError(f"rank {plan.rank} is not one of node {sched.node}'s ranks {sched.ranks}")
-    stats, counter, t0 = ReadStats(backend="cooperative", device=str(dev)), Counter(on_progress), time.perf_counter()
+    stats, counter, meter = ReadStats(backend="cooperative", device=str(dev)), Counter(on_progress), Meter()
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
@@ -116,7 +116,7 @@ def read_rank_cooperative(
     stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
     stats.staging_buffers = threads if not _POPULATE else 0  # populating the page cache stages nothing
     stats.staging_bytes = stats.staging_buffers * size
-    stats.seconds = time.perf_counter() - t0
+    meter.stop(stats)
     return shards_of(plan, buffers), stats
 
 

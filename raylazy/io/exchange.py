@@ -24,7 +24,6 @@ cache it was not faster than buffered reads (0.5-2.4 GB/s either way, noisy), so
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +38,7 @@ from ..errors import ConfigurationError
 from ..storage import open_planned_files, reading
 from .buffers import shard_buffers, shards_of
 from .collective import Exchange, collective_backend
-from .stats import Counter, Progress, ReadStats
+from .stats import Counter, Meter, Progress, ReadStats
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def read_rank_exchanged(
         raise ConfigurationError(f"rank {plan.rank}: node {sched.node!r} has ranks {list(sched.ranks)} and plans for "
                                  f"{[p.rank for p in node.plans]}: give the node's plans in its ranks' order")
     dev = torch.device(device)
-    stats, counter, t0 = ReadStats(backend="exchange", device=str(dev)), Counter(on_progress), time.perf_counter()
+    stats, counter, meter = ReadStats(backend="exchange", device=str(dev)), Counter(on_progress), Meter()
     rounds = NodeRounds(node.plans, sched)
     me = sched.ranks.index(plan.rank)
     depth, size, _ = rounds.staging(me, options.staging_budget, dev.type != "cpu")
@@ -187,7 +186,7 @@ def read_rank_exchanged(
             torch.cuda.synchronize(dev)
     stats.staging_buffers, stats.staging_bytes = depth, depth * size + steps.peak
     stats.bytes_needed = counter.value
-    stats.seconds = time.perf_counter() - t0
+    meter.stop(stats)
     return shards_of(plan, buffers), stats
 
 

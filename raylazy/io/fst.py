@@ -30,8 +30,10 @@ bounce buffers (its `bbuf_size_kb`, 16 MiB by default). On top of all that the
 rank holds its own shards, as every backend does.
 
 Statistics: bytes_needed is what the shards need (reported to `on_progress` tensor
-by tensor); bytes_read and requests are the byte runs fastsafetensors reads: the
-rank's whole tensors, merged when at most FST_MERGE_GAP bytes apart (gaps included).
+by tensor); bytes_read and requests are the byte runs fastsafetensors is asked to
+read, computed from the plan (`fst_runs`: the rank's whole tensors, merged when at
+most FST_MERGE_GAP bytes apart, gaps included), not counted; rchar is measured (its
+reads without GDS are read calls of the rank's process; GDS reads are not).
 
 GPUDirect Storage: `options.nogds` True never uses it, False uses it on CUDA, and
 None uses it only when the device is CUDA and the rank is alone on its node (the
@@ -48,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import time
 from collections.abc import Mapping
 from functools import partial
 from math import prod
@@ -59,7 +60,7 @@ from ..core.plans import RankPlan, TensorShard
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
 from ..storage import local_path, open_planned_files
 from .buffers import plan_files, shard_buffers, shards_of
-from .stats import Counter, Progress, ReadStats
+from .stats import Counter, Meter, Progress, ReadStats
 
 log = logging.getLogger("raylazy")
 
@@ -100,7 +101,7 @@ def read_rank_fastsafetensors(
     `raylazy.io.ranged.read_rank_ranged`."""
     import torch
 
-    t0 = time.perf_counter()
+    meter = Meter()
     dev = torch.device(device)
     check_fastsafetensors(plan)
     used = plan_files(plan)
@@ -116,10 +117,10 @@ def read_rank_fastsafetensors(
     stats = ReadStats(
         backend="fastsafetensors", device=str(dev), bytes_needed=counter.value,
         bytes_read=sum(end - start for _, start, end in runs), requests=len(runs),
-        seconds=time.perf_counter() - t0, staging_bytes=sum(sorted(data_bytes, reverse=True)[:depth]),
-        staging_buffers=depth, gds=gds, gds_fallback=fallback,
+        staging_bytes=sum(sorted(data_bytes, reverse=True)[:depth]), staging_buffers=depth, gds=gds,
+        gds_fallback=fallback,
     )
-    return shards_of(plan, buffers), stats
+    return shards_of(plan, buffers), meter.stop(stats)
 
 
 def _load_falling_back_to_nogds(load, rank: int, want_gds: bool, counter: Counter) -> tuple[bool, str]:

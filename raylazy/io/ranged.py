@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import queue
-import time
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -24,7 +23,7 @@ from ..core.plans import RankPlan, Read
 from ..core.schedule import RankSchedule, Window, rank_schedule
 from ..storage import Source, open_planned_files, reading
 from .buffers import plan_files, shard_buffers, shards_of
-from .stats import Counter, Progress, ReadStats
+from .stats import Counter, Meter, Progress, ReadStats
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -54,7 +53,7 @@ def read_rank_ranged(
     import torch
 
     dev = torch.device(device)
-    stats, counter, t0 = ReadStats(backend="ranged", device=str(dev)), Counter(on_progress), time.perf_counter()
+    stats, counter, meter = ReadStats(backend="ranged", device=str(dev)), Counter(on_progress), Meter()
     buffers = shard_buffers(torch, plan, dev, out)
     flats = [flat for flat, _ in buffers]
     schedule = schedule or rank_schedule(plan, options.chunk_bytes)
@@ -70,7 +69,7 @@ def read_rank_ranged(
     stats.bytes_needed = counter.value
     stats.bytes_read = sum(t.bytes_read for t in plan.tensors)
     stats.requests = sum(t.requests for t in plan.tensors)
-    stats.seconds = time.perf_counter() - t0
+    meter.stop(stats)
     return shards_of(plan, buffers), stats
 
 

@@ -1,8 +1,10 @@
-"""What a rank's reader reports: `ReadStats`, and the thread-safe byte counter behind its progress."""
+"""What a rank's reader reports: `ReadStats` (the plan's figures and what was measured), the `Meter` that measures a
+read, and the thread-safe byte counter behind its progress."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,13 +13,19 @@ Progress = Callable[[int], None]
 
 @dataclass
 class ReadStats:
-    """What one rank's reader did; every field means the same for every backend."""
+    """What one rank's reader did; every field means the same for every backend.
+
+    Two kinds of figures: `bytes_read` and `requests` are the plan's (or the node schedule's) arithmetic, what the
+    reader was asked to read, not counted while it read; `rchar` and `seconds` are measured over the read, and
+    `bytes_needed` counts the bytes that landed in the shards. docs/testing.md says which test checks which."""
 
     backend: str
     device: str
-    #: Bytes the rank's shards need (padding excluded).
+    #: Bytes the rank's shards need (padding excluded), counted as they land.
     bytes_needed: int = 0
-    #: Bytes read from storage: the needed ones plus any gaps read to save requests.
+    #: Bytes to read from storage as planned, not measured: the rank's ranges plus any gaps read to save requests
+    #: (ranged); its share of its node's union as the node schedule cuts it (cooperative, exchange); the whole
+    #: tensors fastsafetensors reads; 0 for a rank copying from a replica. Measured: `rchar`.
     bytes_read: int = 0
     #: Bytes of the rank's shards that other ranks of its node read (cooperative and exchange reads): kept from
     #: their stripes through the page cache, or received over the exchange.
@@ -25,9 +33,18 @@ class ReadStats:
     #: Bytes of shards copied from the rank with the same coordinates in a live replica (`raylazy.cluster.replicas`),
     #: instead of reading them from storage (`bytes_read` is then 0).
     bytes_from_replica: int = 0
-    #: Read requests issued to storage: contiguous byte ranges read (however the reader splits them into calls).
+    #: Read requests to storage as planned, not measured: contiguous byte ranges (however the reader splits them
+    #: into calls), the rank's stripes (cooperative stripe readers, exchange; 0 without stripe readers, where the
+    #: kernel reads on page faults), or fastsafetensors' byte runs.
     requests: int = 0
+    #: Measured: wall seconds of the read.
     seconds: float = 0.0
+    #: Measured: bytes that read system calls (read, pread, preadv...) of the rank's process returned during the
+    #: read: the `rchar` delta of /proc/self/io, over all its threads (the header checks included, and any other
+    #: thread of the process reading meanwhile). Pages of mapped files are not read calls: the cooperative
+    #: reader's copies and its stripe readers' MADV_POPULATE_READ do not count, nor does GPUDirect Storage. It
+    #: is the same whether the bytes came from storage or the page cache. None where /proc/self/io is absent.
+    rchar: int | None = None
     #: Most memory the reader holds outside the shards (staging buffers), in bytes.
     staging_bytes: int = 0
     #: Staging buffers alive at once (ranged to a GPU: windows; fastsafetensors: file batches).
@@ -40,6 +57,35 @@ class ReadStats:
     @property
     def gbps(self) -> float:
         return self.bytes_needed / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def proc_rchar() -> tuple[int, int] | None:
+    """(this process's rchar from /proc/self/io, the bytes this call read of that file: counted in rchar only
+    after it); None where the file is absent."""
+    try:
+        with open("/proc/self/io", "rb", buffering=0) as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(b"rchar:"):
+            return int(line.split()[1]), len(text)
+    return None
+
+
+class Meter:
+    """Measures one read from its creation to `stop(stats)`, which fills `stats.seconds` and `stats.rchar`."""
+
+    def __init__(self):
+        first = proc_rchar()
+        self.rchar = None if first is None else sum(first)  # this first reading's own bytes are not the read's
+        self.start = time.perf_counter()
+
+    def stop(self, stats: ReadStats) -> ReadStats:
+        stats.seconds = time.perf_counter() - self.start
+        now = proc_rchar()
+        stats.rchar = None if now is None or self.rchar is None else now[0] - self.rchar
+        return stats
 
 
 class Counter:

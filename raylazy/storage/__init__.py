@@ -2,12 +2,12 @@
 (`objects`), the scheme registry (`registry`), checkpoint discovery (`discovery`), the Hugging Face cache
 (`hub`), and planned files opened and checked (`verified`)."""
 
-from .base import NotAFileError, Source, Storage, local_path, scheme_of
+from .base import Listing, NotAFileError, Source, Storage, local_path, scheme_of
 from .discovery import open_checkpoint, read_header
 from .local import LocalSource, LocalStorage
 from .registry import OBJECT_SCHEMES, open_source, register_storage, storage_for
 from .verified import open_planned, open_planned_files, open_verified, reading
 
-__all__ = ["LocalSource", "LocalStorage", "NotAFileError", "OBJECT_SCHEMES", "Source", "Storage", "local_path",
+__all__ = ["Listing", "LocalSource", "LocalStorage", "NotAFileError", "OBJECT_SCHEMES", "Source", "Storage", "local_path",
            "open_checkpoint", "open_planned", "open_planned_files", "open_source", "open_verified", "read_header", "reading", "register_storage",
            "scheme_of", "storage_for"]

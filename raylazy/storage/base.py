@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.costs import CostModel
 
 
 class NotAFileError(OSError):
@@ -62,16 +65,38 @@ class Source(ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What a directory holds: every name in it, and those that are plain files (links followed)."""
+
+    names: frozenset[str]
+    files: frozenset[str]
+
+
 class Storage(ABC):
     """One URI scheme: opens sources and answers the directory questions checkpoint discovery asks."""
-
-    #: The planner's `max_gap` when the caller gives none: row gaps up to this many bytes are read through
-    #: (0 locally: a positional read costs little; object storage pays per request).
-    default_max_gap: int = 0
 
     @abstractmethod
     def open(self, uri: str) -> Source:
         """Open `uri` for reading; `NotAFileError` if it is not a plain file, `OSError` if it cannot be opened."""
+
+    def reopen(self, uri: str, size: int, version: str) -> Source | None:
+        """A source for version `version` (of `size` bytes) of `uri`, opened before, made without a request where
+        every read checks the version (object storage: If-Match on the ETag); None where reads cannot check it
+        (the caller opens and verifies the file)."""
+        return None
+
+    def cost_model(self) -> CostModel | None:
+        """What reads cost here, for the planner's choice of reading row-split tensors whole or row by row; None:
+        a request costs little (local files: rows are read exactly)."""
+        return None
+
+    def listing(self, uri: str) -> Listing | None:
+        """What directory `uri` holds; None if it is not a directory (object storage: one LIST request)."""
+        if not self.is_dir(uri):
+            return None
+        names = self.list(uri)
+        return Listing(frozenset(names), frozenset(n for n in names if self.is_file(self.join(uri, n))))
 
     @abstractmethod
     def list(self, uri: str) -> list[str]:
@@ -98,8 +123,6 @@ class Storage(ABC):
         """(parent, name)."""
         parent, _, name = uri.rpartition("/")
         return parent, name
-
-
 
 
 def scheme_of(uri: str) -> str:

@@ -32,7 +32,7 @@ from ..errors import (
     MissingShardError,
     ModelConfigError,
 )
-from .base import NotAFileError, Storage
+from .base import Listing, NotAFileError, Source, Storage
 from .hub import resolve_model
 from .registry import open_source, storage_for
 
@@ -45,6 +45,11 @@ def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
         source = open_source(path, storage_options)
     except NotAFileError:
         raise HeaderError(path, "not a regular file (a directory, FIFO or device), so not a safetensors file") from None
+    return _header(source, path)
+
+
+def _header(source: Source, path: str) -> FileHeader:
+    """The validated header of the opened file `source` (closed after)."""
     with source:
         file_size = source.size
         source.random_access()  # read the header and nothing past it (see LocalSource.random_access)
@@ -57,36 +62,40 @@ def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
 
 def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
     """Discover the safetensors files of `model_dir` (a path or URI, or a model id in the local Hugging Face
-    cache), validate their headers and read config.json; object storage is reached with `storage_options`."""
+    cache), validate their headers and read config.json; object storage is reached with `storage_options`.
+
+    Requests to object storage: one LIST of the directory, then one GET per file it names (index, shards,
+    config.json; two for a header longer than `raylazy.storage.objects.HEAD_BYTES`), nothing looked up twice."""
     model = resolve_model(model_dir)
     storage = storage_for(model, storage_options)
     path = storage.absolute(model)
-    if storage.is_file(path):
+    listing = storage.listing(path)
+    if listing is None:  # a file, or nothing: opening it says which
         root, name = storage.split(path)
-        names, weight_map = [name], None
-    elif storage.is_dir(path):
-        root = path
-        names, weight_map = _discover(storage, root)
+        names, weight_map, listing = [name], None, storage.listing(root)
     else:
-        raise CheckpointNotFoundError(f"{path}: no such file or directory")
+        root = path
+        names, weight_map = _discover(storage, root, listing)
     index = storage.join(root, INDEX_NAME)
-    headers = tuple(_read_shard(storage, root, n, index if weight_map is not None else None, storage_options)
-                    for n in names)
+    headers = tuple(_read_shard(storage, storage.join(root, n)) for n in names)
     cross_check(root, index, names, headers, weight_map)
-    return Checkpoint(root=root, files=headers, config=_read_config(storage, root))
+    return Checkpoint(root=root, files=headers, config=_read_config(storage, root, listing))
 
 
-def _discover(storage: Storage, root: str) -> tuple[list[str], dict[str, str] | None]:
+def _discover(storage: Storage, root: str, listing: Listing) -> tuple[list[str], dict[str, str] | None]:
     index = storage.join(root, INDEX_NAME)
-    if storage.exists(index):
+    if INDEX_NAME in listing.names:
         weight_map = parse_index(_read_small(storage, index, IndexFileError), index)
         names = sorted(set(weight_map.values()))
         if not names:
             raise CheckpointNotFoundError(f"{index}: 'weight_map' names no tensors")
-        return names, weight_map  # each shard's existence is checked as its header is read (`_read_shard`)
-    if storage.is_file(storage.join(root, SINGLE_NAME)):
+        missing = [n for n in names if n not in listing.files]  # absent, or not a plain file
+        if missing:
+            raise MissingShardError(f"{index}: shard {missing[0]!r} is not in {root}")
+        return names, weight_map
+    if SINGLE_NAME in listing.files:
         return [SINGLE_NAME], None
-    names = sorted(n for n in storage.list(root) if n.endswith(".safetensors") and storage.is_file(storage.join(root, n)))
+    names = sorted(n for n in listing.files if n.endswith(".safetensors"))
     if not names:
         raise CheckpointNotFoundError(
             f"{root}: no {INDEX_NAME}, no {SINGLE_NAME} and no *.safetensors files; point raylazy at a model directory"
@@ -94,28 +103,22 @@ def _discover(storage: Storage, root: str) -> tuple[list[str], dict[str, str] | 
     return names, None
 
 
-def _read_shard(storage: Storage, root: str, name: str, index: str | None,
-                storage_options: Mapping[str, Any] | None) -> FileHeader:
-    """The header of shard `name`; one the index (`index`) names that is not a plain file is a MissingShardError.
-    Checked only when opening it fails: a separate look-up first would cost object storage a second HEAD per shard."""
-    path = storage.join(root, name)
+def _read_shard(storage: Storage, path: str) -> FileHeader:
     try:
-        return read_header(path, storage_options)
-    except (OSError, HeaderError):
-        if index is not None and not storage.is_file(path):
-            raise MissingShardError(f"{index}: shard {name!r} is not in {root}") from None
-        raise
+        source = storage.open(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file or directory") from None
+    except NotAFileError:
+        raise CheckpointNotFoundError(f"{path}: not a regular file or directory (a FIFO or device)") from None
+    return _header(source, path)
 
 
-def _read_config(storage: Storage, root: str) -> ModelConfig:
+def _read_config(storage: Storage, root: str, listing: Listing | None) -> ModelConfig:
+    """config.json where `root` (whose `listing` it is) holds one, else the empty config."""
+    if listing is None or "config.json" not in listing.names:
+        return ModelConfig()
     path = storage.join(root, "config.json")
-    try:
-        data = _read_small(storage, path, ModelConfigError)
-    except ModelConfigError:  # no config.json (asked only now: object storage pays a HEAD per look-up)
-        if not storage.is_file(path):
-            return ModelConfig()
-        raise
-    return parse_config(data, path)
+    return parse_config(_read_small(storage, path, ModelConfigError), path)
 
 
 def _read_small(storage: Storage, path: str, error: type) -> bytes:

@@ -15,7 +15,10 @@ obstore's store config (`endpoint`, `access_key_id`, `region`, ...), its client 
 `timeout`, `connect_timeout`, ...: `_CLIENT_KEYS`), its retry settings (`max_retries`, default 10;
 `retry_timeout`, default 180 s; `init_backoff`, `max_backoff` in seconds, default 0.1 and 15;
 `backoff_base`, default 2), or raylazy's own: `part_bytes` (a range larger than this is fetched as parts,
-concurrently; default 8 MiB) and `max_concurrency` (GETs in flight per process; default 32).
+concurrently; default 8 MiB), `max_concurrency` (GETs in flight per process; default 32), and the cost model's
+`request_latency` (seconds to a response's first byte), `connection_bandwidth` (bytes per second one
+connection streams), `bandwidth` (bytes per second of all connections together; default: not limited) and
+`request_rate` (GETs a second the store serves; default 5,500, S3's per prefix).
 
 Throughput: a remote store serves each connection at tens of MB/s after tens of ms to first byte, so a rank
 needs many requests in flight. A source's `concurrency` is `max_concurrency`: the ranged reader keeps that
@@ -23,15 +26,25 @@ many windows in flight (each a range in parts, or rows one GET each), and a sema
 process to `max_concurrency`. Memory: parts stream straight into the destination buffers, so the bound is the
 client's chunks, about `max_concurrency` x 1 MiB (on a GPU also the reader's staging windows, as for files).
 
-Opening an object is one HEAD request (its size and ETag); every later GET of it carries `If-Match: <ETag>`,
-so an object replaced while it is read is a `FileChangedError`, never a mix of two versions. A missing
-bucket or object answers 404 at once (not retried): a clear error within one request.
+Row-split tensors (rows a few KB apart) are read whole (fewer requests, up to tp x the bytes) or row by row (the
+needed bytes, one request per row), per read, whichever the cost model (`raylazy.core.costs`) estimates sooner:
+latency and per-connection bandwidth given as storage options, else measured on this storage's first GETs
+(time to the first byte, and the rate of the body), else 30 ms and 100 MB/s.
+
+Requests: opening an object is one GET of its first 64 KiB (`HEAD_BYTES`), whose response also gives the
+object's size and ETag, so a safetensors header (or a small JSON file) costs that one request; a longer header
+one more. Every later GET carries `If-Match: <ETag>`, so an object replaced while it is read is a
+`FileChangedError`, never a mix of two versions; a planned object is therefore reopened without a request
+(`ObjectStorage.reopen`: the plan's ETag is checked by every GET). A directory is one LIST. A missing bucket or
+object answers 404 at once (not retried): a clear error within one request.
 """
 
 from __future__ import annotations
 
 import errno
+import statistics
 import threading
+import time
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,17 +56,21 @@ import obstore
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import from_url
 
+from ..core.costs import CostModel
 from ..errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, StorageAccessError, first_line
-from .base import NotAFileError, Source, Storage
+from .base import Listing, NotAFileError, Source, Storage
 
-#: Default `max_gap` for checkpoints in object storage: row gaps up to 1 MiB are read through. A request costs
-#: about what 1 MiB of transfer costs (tens of ms to first byte against ~50-100 MB/s per connection; S3 also
-#: bills requests and throttles them per prefix), and it is object_store's own coalescing distance. Row-split
-#: tensors (gaps of a few KB) are then read whole, up to tp x their bytes: pass `max_gap=0` to fetch exactly
-#: the needed bytes at one request per row.
-DEFAULT_MAX_GAP = 1 << 20
 DEFAULT_PART_BYTES = 8 << 20
 DEFAULT_CONCURRENCY = 32
+#: Bytes of an object fetched by opening it: most safetensors headers, index and config files fit.
+HEAD_BYTES = 64 << 10
+#: The cost model's latency and per-connection bandwidth where neither is given nor measured (a cloud store).
+DEFAULT_REQUEST_S = 0.03
+DEFAULT_CONNECTION_BPS = 100e6
+#: GETs a second one prefix of a bucket is served (S3's documented rate; it throttles above it).
+DEFAULT_REQUEST_RATE = 5500.0
+#: GETs whose timing the cost model is measured on (the first ones: discovery's).
+_SAMPLES = 64
 #: Bytes per chunk of a streamed response (a part is copied into place chunk by chunk).
 _CHUNK_BYTES = 1 << 20
 
@@ -63,16 +80,19 @@ _CLIENT_KEYS = frozenset(
     "pool_max_idle_per_host proxy_url proxy_ca_certificate proxy_excludes root_certificate randomize_addresses "
     "read_timeout timeout user_agent".split()
 )
+_COST_KEYS = ("request_latency", "connection_bandwidth", "bandwidth", "request_rate")
 _BACKOFF_KEYS = {"init_backoff": "init_backoff", "max_backoff": "max_backoff", "backoff_base": "base"}
 
 
 class ObjectSource(Source):
     """One object version: range GETs (with If-Match on its ETag) into caller buffers; large ranges in parts."""
 
-    def __init__(self, storage: ObjectStorage, store, key: str, uri: str, size: int, etag: str):
+    def __init__(self, storage: ObjectStorage, store, key: str, uri: str, size: int, etag: str, head: bytes = b""):
         self.storage, self.store, self.key = storage, store, key
         self.uri, self.size, self.version = uri, size, etag
         self.concurrency = storage.max_concurrency
+        #: The object's first bytes, fetched when it was opened (reads inside them cost no request).
+        self.head = head
 
     def _get(self, start: int, end: int):
         options: dict[str, Any] = {"range": (start, end)}
@@ -84,9 +104,12 @@ class ObjectSource(Source):
         end = min(offset + n, self.size)
         if end <= offset:
             return b""
+        known = self.head[offset:end]
+        if offset + len(known) == end:
+            return known
         try:
             with self.storage.slots:
-                return bytes(self._get(offset, end).bytes())
+                return known + bytes(self._get(offset + len(known), end).bytes())
         except Exception as e:  # noqa: BLE001  (obstore's errors: mapped to the Source contract)
             raise self._error(e) from None
 
@@ -96,6 +119,10 @@ class ObjectSource(Source):
         total = ends[-1] if ends else 0
         if offset + total > self.size:
             raise EOFError(f"{offset + total - self.size} bytes missing past the object's end ({self.size} bytes)")
+        if offset + total <= len(self.head):
+            for view, end in zip(views, ends):
+                view[:] = self.head[offset + end - len(view) : offset + end]
+            return
         step = self.storage.part_bytes
         parts = [(a, min(a + step, offset + total)) for a in range(offset, offset + total, step)]
         if len(parts) == 1:
@@ -127,8 +154,8 @@ class ObjectSource(Source):
 
     def _error(self, e: Exception) -> Exception:
         if isinstance(e, PreconditionError):
-            return FileChangedError(f"{self.uri}: the object was replaced while being read (its ETag is no longer "
-                                    f"{self.version}): plan again")
+            return FileChangedError(f"{self.uri}: the object was replaced (its ETag is no longer {self.version}, the "
+                                    "version planned or opened): plan again")
         return _os_error(e, self.uri)
 
     def close(self) -> None:
@@ -138,14 +165,13 @@ class ObjectSource(Source):
 class ObjectStorage(Storage):
     """One object-storage scheme with one set of storage options; one client per bucket."""
 
-    default_max_gap = DEFAULT_MAX_GAP
-
     def __init__(self, scheme: str, storage_options: Mapping[str, Any]):
         options = dict(storage_options)
         self.scheme = scheme
         try:
             self.part_bytes = int(options.pop("part_bytes", DEFAULT_PART_BYTES))
             self.max_concurrency = int(options.pop("max_concurrency", DEFAULT_CONCURRENCY))
+            self._given = {k: float(options.pop(k)) for k in _COST_KEYS if k in options}
             retry: dict[str, Any] = {}
             if "max_retries" in options:
                 retry["max_retries"] = int(options.pop("max_retries"))
@@ -155,9 +181,12 @@ class ObjectStorage(Storage):
                        for key, name in _BACKOFF_KEYS.items() if key in options}
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"{scheme}:// storage_options: {e} (part_bytes, max_concurrency, max_retries: "
-                                     "integers; retry_timeout, init_backoff, max_backoff: seconds)") from None
-        if self.part_bytes < 1 or self.max_concurrency < 1:
-            raise ConfigurationError(f"{scheme}:// storage_options: part_bytes and max_concurrency must be positive")
+                                     "integers; retry_timeout, init_backoff, max_backoff, request_latency: seconds; "
+                                     "connection_bandwidth, bandwidth: bytes per second; request_rate: GETs per "
+                                     "second)") from None
+        if self.part_bytes < 1 or self.max_concurrency < 1 or any(v <= 0 for v in self._given.values()):
+            raise ConfigurationError(f"{scheme}:// storage_options: part_bytes, max_concurrency, request_latency, "
+                                     "connection_bandwidth, bandwidth and request_rate must be positive")
         if backoff:
             retry["backoff"] = backoff
         self._retry = retry or None
@@ -168,6 +197,8 @@ class ObjectStorage(Storage):
         #: One per GET in flight (a part, a row, a header read): at most `max_concurrency` per process.
         self.slots = threading.BoundedSemaphore(self.max_concurrency)
         self._lock = threading.Lock()
+        #: (seconds to the first byte, body bytes, seconds of the body) of the first GETs that opened objects.
+        self._samples: list[tuple[float, int, float]] = []
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads that fetch the parts of large ranges (shared by this storage's sources)."""
@@ -192,14 +223,49 @@ class ObjectStorage(Storage):
         return store, key.strip("/")
 
     def open(self, uri: str) -> ObjectSource:
+        """One GET of the object's first HEAD_BYTES: its size and ETag come with them."""
         store, key = self._locate(uri)
         if not key:
             raise NotAFileError(errno.EISDIR, "a bucket, not an object", uri)
         try:
-            meta = obstore.head(store, key)
+            with self.slots:
+                t0 = time.perf_counter()
+                result = obstore.get(store, key, options={"range": (0, HEAD_BYTES)})
+                t1 = time.perf_counter()
+                head = bytes(result.bytes())
+                self._sample(t1 - t0, len(head), time.perf_counter() - t1)
+            meta = result.meta
         except Exception as e:  # noqa: BLE001
-            raise _os_error(e, uri) from None
-        return ObjectSource(self, store, key, uri, meta["size"], meta.get("e_tag") or "")
+            if " 416 " not in str(e):
+                raise _os_error(e, uri) from None
+            try:  # no range of an empty object exists: its HEAD says so
+                meta, head = obstore.head(store, key), b""
+            except Exception as e:  # noqa: BLE001
+                raise _os_error(e, uri) from None
+        return ObjectSource(self, store, key, uri, meta["size"], meta.get("e_tag") or "", head)
+
+    def reopen(self, uri: str, size: int, version: str) -> ObjectSource | None:
+        store, key = self._locate(uri)
+        return ObjectSource(self, store, key, uri, size, version) if version and key else None
+
+    def _sample(self, first_byte_s: float, nbytes: int, body_s: float) -> None:
+        with self._lock:
+            if len(self._samples) < _SAMPLES:
+                self._samples.append((first_byte_s, nbytes, body_s))
+
+    def cost_model(self) -> CostModel:
+        """Latency and per-connection bandwidth as given, else as measured on the first GETs, else the defaults."""
+        with self._lock:
+            samples = list(self._samples)
+        bodies = [(n, t) for _, n, t in samples if n >= HEAD_BYTES // 4]  # long enough to time
+        moved = sum(t for _, t in bodies)
+        return CostModel(
+            request_s=self._given.get("request_latency")
+            or (statistics.median(s[0] for s in samples) if samples else DEFAULT_REQUEST_S),
+            connection_bps=self._given.get("connection_bandwidth")
+            or (sum(n for n, _ in bodies) / moved if moved > 0 else DEFAULT_CONNECTION_BPS),
+            concurrency=self.max_concurrency, part_bytes=self.part_bytes, bandwidth_bps=self._given.get("bandwidth", 0.0),
+            request_rate=self._given.get("request_rate", DEFAULT_REQUEST_RATE))
 
     def _listing(self, uri: str) -> dict:
         store, key = self._locate(uri)
@@ -211,10 +277,16 @@ class ObjectStorage(Storage):
                 raise CheckpointNotFoundError(f"{uri}: no such bucket {bucket!r} at this endpoint") from None
             raise _access_error(e, uri, "list") from None
 
-    def list(self, uri: str) -> list[str]:
+    def listing(self, uri: str) -> Listing | None:
+        """One LIST: the objects directly under `uri` (files) and the prefixes below it (directories)."""
         listing = self._listing(uri)
-        return [p.rstrip("/").rpartition("/")[2] for p in
-                [o["path"] for o in listing["objects"]] + list(listing["common_prefixes"])]
+        files = {o["path"].rpartition("/")[2] for o in listing["objects"]} - {""}  # "" : a directory marker
+        names = files | {p.rstrip("/").rpartition("/")[2] for p in listing["common_prefixes"]}
+        return Listing(frozenset(names), frozenset(files)) if names else None
+
+    def list(self, uri: str) -> list[str]:
+        listing = self.listing(uri)
+        return sorted(listing.names) if listing else []
 
     def exists(self, uri: str) -> bool:
         return self.is_file(uri) or self.is_dir(uri)
@@ -232,8 +304,7 @@ class ObjectStorage(Storage):
         return True
 
     def is_dir(self, uri: str) -> bool:
-        listing = self._listing(uri)
-        return bool(listing["objects"] or listing["common_prefixes"])
+        return self.listing(uri) is not None
 
     def absolute(self, uri: str) -> str:
         return uri.rstrip("/")

@@ -12,7 +12,7 @@ from ..core.header import MAX_HEADER_BYTES
 from ..core.plans import FileRef, RankPlan
 from ..errors import FileChangedError, ReadError
 from .base import NotAFileError, Source
-from .registry import open_source
+from .registry import storage_for
 
 
 def open_planned(plan: RankPlan, f: int, storage_options: Mapping[str, Any] | None = None) -> Source:
@@ -27,9 +27,16 @@ def open_planned(plan: RankPlan, f: int, storage_options: Mapping[str, Any] | No
 
 def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None) -> Source:
     """Open a planned file after checking its size, version tag (an object's ETag) and header digest match the
-    plan; read-ahead is off (the reader hints what it needs). The caller closes the returned source."""
+    plan; read-ahead is off (the reader hints what it needs). The caller closes the returned source.
+
+    Where every read checks the planned version itself (object storage: If-Match), the file is reopened at that
+    version without a request: a replaced object fails its first read with a FileChangedError."""
+    storage = storage_for(ref.uri, storage_options)
+    source = storage.reopen(ref.uri, ref.size, ref.version) if ref.version else None
+    if source is not None:
+        return source
     try:
-        source = open_source(ref.uri, storage_options)
+        source = storage.open(ref.uri)
     except NotAFileError:
         raise FileChangedError(f"{ref.uri}: is no longer a regular file (a directory, FIFO or device); it was "
                                "replaced since planning: plan again") from None

@@ -1,0 +1,54 @@
+"""What reading costs on a storage, as an estimate of seconds for a number of requests and bytes: the planner asks
+it whether a row-split tensor's rows are read sooner one request each (exactly the needed bytes) or as one range
+with the gaps between the rows (`Read.gather`: fewer requests, more bytes). Pure data, made by the storage
+(`raylazy.storage.Storage.cost_model`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plans import RankPlan, Read
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A store reached by `concurrency` connections at once: each request waits `request_s` for its first byte,
+    then streams at `connection_bps`; a range larger than `part_bytes` is fetched as parts, one request each; all
+    connections together move at most `bandwidth_bps` (0: `concurrency` x `connection_bps`), and the store serves
+    at most `request_rate` requests a second (0: no limit; S3 documents 5,500 GETs a second per prefix)."""
+
+    request_s: float
+    connection_bps: float
+    concurrency: int = 1
+    part_bytes: int = 8 << 20
+    bandwidth_bps: float = 0.0
+    request_rate: float = 0.0
+
+    def seconds(self, requests: int, nbytes: int) -> float:
+        """Estimated seconds for `requests` requests moving `nbytes` bytes in all: the connections' busy time
+        (each request's wait plus its bytes at connection speed) shared by `concurrency` connections, the bytes
+        at `bandwidth_bps` or the requests at `request_rate`, whichever is longest."""
+        busy = (requests * self.request_s + nbytes / self.connection_bps) / self.concurrency
+        return max(busy, nbytes / self.bandwidth_bps if self.bandwidth_bps else 0.0,
+                   requests / self.request_rate if self.request_rate else 0.0)
+
+    def ranges(self, nbytes: int) -> int:
+        """Requests for one range of `nbytes` (its parts)."""
+        return max(1, -(-nbytes // self.part_bytes))
+
+    def gather(self, length: int, stride: int, count: int) -> bool:
+        """Whether `count` rows of `length` bytes, `stride` bytes apart, are estimated to arrive sooner as one range
+        (gaps included) than as one request per row."""
+        span = (count - 1) * stride + length
+        return self.seconds(self.ranges(span), span) <= self.seconds(count * self.ranges(length), count * length)
+
+    def read_cost(self, read: Read) -> tuple[int, int]:
+        """(requests, bytes) of one planned read."""
+        if read.gather or read.count == 1:
+            return self.ranges(read.span), read.span
+        return read.count * self.ranges(read.length), read.bytes_needed
+
+    def rank_seconds(self, plan: RankPlan) -> float:
+        """Estimated seconds for a rank reading its plan alone (header checks not counted)."""
+        costs = [self.read_cost(r) for t in plan.tensors for r in t.reads]
+        return self.seconds(sum(c[0] for c in costs), sum(c[1] for c in costs))
