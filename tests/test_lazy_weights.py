@@ -90,7 +90,7 @@ def moe_consumer(rank: int, tp: int, params: dict):
 def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict):
     """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
     consumer's own tensors (a dict), which copies may be replayed into."""
-    ckpt = open_checkpoint(model_dir)
+    ckpt = open_checkpoint(model_dir, options.reader.storage_options)
     with Reads(ckpt, options) as reads:
         rec = Recording(reads.read_alone)
         with rec.watching():
@@ -127,6 +127,26 @@ def test_regions_read_match_safetensors(llama_dir, rank, replay, options):
         assert stats.in_place_bytes == needed and stats.batches == 1  # order: read in place, nothing held
     elif options.get("batch_bytes") == 4096:
         assert stats.batches > 10
+
+
+def test_strided_regions_in_object_storage_are_fetched_as_the_cost_model_says(s3, llama_dir):
+    """Counted by the proxy in front of SeaweedFS: rank 0's cut of a tp=2 checkpoint, its row-parallel weights
+    (o_proj, down_proj: half of every row) strided. With max_gap=0 each row is a request of its own (exactly its
+    bytes); by default (None) the storage's cost model decides, and for rows this small (a request costs far more
+    than the gap's bytes) fetches each strided region as one range with its gaps. The weights equal
+    safetensors' either way."""
+    uri = s3.upload_dir(llama_dir, "lazy", "llama")
+    ref = reference_tensors(llama_dir)
+    rows = sum(t.shape[0] for name, t in ref.items() if name.endswith(ROW))
+    gets = {}
+    for max_gap in (0, None):
+        consume, params, cuts = tp_consumer(0, 2)
+        s3.reset()
+        _run(uri, consume, lazy_options(dict(max_gap=max_gap, storage_options=s3.storage_options)),
+             watch=lambda params=params: params)
+        gets[max_gap] = len(s3.reset().gets("lazy/llama/"))
+        assert all(torch.equal(params[name], cuts[name](t)) for name, t in ref.items())
+    assert gets[None] < rows <= gets[0], (gets, rows)
 
 
 @pytest.mark.parametrize("kind, in_memory, hidden, inter", [("mixtral", False, 64, 64), ("vllm-qwen3moe", True, 128, 64)])

@@ -37,18 +37,22 @@ from ..errors import ConfigurationError, PartialByteSliceError
 
 #: Default bytes of regions read per batch (beyond those read straight into their destination).
 DEFAULT_BATCH_BYTES = 256 << 20
+#: Whether `count` rows of `length` bytes, `stride` bytes apart, are read as one range with their gaps:
+#: `gather(length, stride, count)`.
+Gather = Callable[[int, int, int], bool]
 
 
 class LazyOptions(BaseModel):
     """How lazy weights are served: the reader (`ReaderOptions`: backend, threads, queue_size, chunk_bytes, ...),
-    row gaps read through (`max_gap`, as for `raylazy.plan`), the batches (about `batch_bytes` of regions each
+    row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
+    deciding each strided region on object storage), the batches (about `batch_bytes` of regions each
     besides those read in place; `batches_ahead` read beyond the ones being used: host memory about
     (batches_ahead + 2) x batch_bytes), and `replay` (False: always run the consumer a second time)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     reader: ReaderOptions = ReaderOptions()
-    max_gap: int = Field(0, ge=0)
+    max_gap: int | None = Field(None, ge=0)
     batch_bytes: int = Field(DEFAULT_BATCH_BYTES, ge=4096)
     batches_ahead: int = Field(1, ge=0, le=64)
     replay: bool = True
@@ -95,17 +99,18 @@ class Region:
         return Region(self.file, self.tensor, _put(self.starts, dim, self.starts[dim] + start),
                       _put(self.sizes, dim, length))
 
-    def shard(self, name: str, max_gap: int, path: str) -> TensorShard:
-        """The region as one shard of a rank plan, named `name`: its box, in row-major order, read exactly."""
+    def shard(self, name: str, gather: Gather, path: str) -> TensorShard:
+        """The region as one shard of a rank plan, named `name`: its box, in row-major order, its strided rows
+        read exactly or as one range with their gaps as `gather` says."""
         t = self.tensor
         cut = [d for d, (n, full) in enumerate(zip(self.sizes, t.shape)) if n != full]
         pieces = ((self.starts[cut[0]], 0, self.sizes[cut[0]]),) if cut else ()
         return TensorShard(name=name, file=self.file, offset=t.start, dtype=t.dtype, full_shape=t.shape,
                            shape=self.sizes, placement="lazy", dim=cut[0] if cut else None, pieces=pieces,
-                           reads=box_reads(self, cut, max_gap, path))
+                           reads=box_reads(self, cut, gather, path))
 
 
-def box_reads(region: Region, cut: list[int], max_gap: int, path: str) -> tuple[Read, ...]:
+def box_reads(region: Region, cut: list[int], gather: Gather, path: str) -> tuple[Read, ...]:
     """The reads of a box, with `cut` its dims narrower than the tensor. Along the last cut dim d, each run of
     the box is contiguous in the file; runs over the whole dims between the last cut dim before d (j) and d are
     one stride apart, so each index of the dims before j is one (strided) Read."""
@@ -132,7 +137,7 @@ def box_reads(region: Region, cut: list[int], max_gap: int, path: str) -> tuple[
             reads.append(Read(file=region.file, offset=t.start + src, length=length, dst_offset=dst))
         else:
             reads.append(Read(file=region.file, offset=t.start + src, length=length, dst_offset=dst, count=count,
-                              stride=step, dst_stride=length, gather=step - length <= max_gap))
+                              stride=step, dst_stride=length, gather=gather(length, step, count)))
     return tuple(reads)
 
 

@@ -37,7 +37,7 @@ from ..io.backends import NODE_BACKENDS, backend_for, read_rank, solo_backend
 from ..io.collective import Exchange, collective_backend, node_address
 from ..io.exchange import ExchangeTask, read_rank_exchanged
 from ..io.stats import ReadStats
-from ..storage import open_planned
+from ..storage import open_planned, storage_for
 from .lazy import Copy, LazyOptions, LazyWeight, Region, extent
 
 
@@ -85,6 +85,8 @@ class Reads:
         self._sources: dict[int, object] = {}
         self._lock = threading.Lock()
         self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
+        self._cost = None if options.max_gap is not None else \
+            storage_for(ckpt.root, options.reader.storage_options).cost_model()
 
     def __enter__(self) -> Reads:
         return self
@@ -104,7 +106,14 @@ class Reads:
 
     def shard(self, region: Region, name: str):
         """The plan entry reading `region` (what the tests' broken loader overrides)."""
-        return region.shard(name, self.options.max_gap, self.ckpt.files[region.file].path)
+        return region.shard(name, self._gather, self.ckpt.files[region.file].path)
+
+    def _gather(self, length: int, stride: int, count: int) -> bool:
+        """Strided rows read as one range: as `max_gap` says, or where it is None, as the storage's cost model
+        estimates sooner (object storage), or never (local files, where a request costs little)."""
+        if self._cost is not None:
+            return self._cost.gather(length, stride, count)
+        return stride - length <= (self.options.max_gap or 0)
 
     def rank_plan(self, rank: int, regions: list[Region], mesh: Mesh = Mesh()) -> RankPlan:
         """Rank `rank`'s plan for `regions`: one shard each, named after its tensor and box."""
