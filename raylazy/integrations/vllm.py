@@ -15,6 +15,7 @@ Each worker logs one line (`_summary`; its fields: docs/vllm.md).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -43,6 +44,36 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(LOAD_FORMAT)(RaylazyModelLoader)
+    _accept_object_storage()
+
+
+def _accept_object_storage() -> None:
+    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check. vLLM (0.32) fetches an
+    object-storage model's config files, keeps the URI in `model_config.model_weights`, then refuses every load
+    format but its own object-storage ones (`VllmConfig.try_verify_and_update_config`: "To load a model from
+    object storage (S3/GCS/Azure), 'load_format' must be 'modelexpress', 'runai_streamer' or
+    'runai_streamer_sharded'"), with no way for a plugin's format to say it reads such models. So for raylazy's
+    format and such a model only, the check runs with the format named as one it accepts, and raylazy's is put
+    back after; once per process; where a vLLM has no such method nothing is changed."""
+    from vllm.config import VllmConfig
+
+    check = getattr(VllmConfig, "try_verify_and_update_config", None)
+    if check is None or getattr(check, "raylazy", False):
+        return
+
+    @functools.wraps(check)
+    def verify(self):
+        load = self.load_config
+        if load.load_format != LOAD_FORMAT or not getattr(self.model_config, "model_weights", ""):
+            return check(self)
+        load.load_format = "runai_streamer"
+        try:
+            return check(self)
+        finally:
+            load.load_format = LOAD_FORMAT
+
+    verify.raylazy = True
+    VllmConfig.try_verify_and_update_config = verify
 
 
 class RaylazyModelLoader(BaseModelLoader):
