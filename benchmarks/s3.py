@@ -122,10 +122,7 @@ def _plain_get(plan, options: dict, nbytes: int) -> None:
 
 def _env(server) -> dict:
     """The standard environment for both clients (Run:ai's reads only this; raylazy gets storage_options too)."""
-    return dict(os.environ, AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="testing",
-                AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true",
-                AWS_EC2_METADATA_DISABLED="true", RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
-                RUNAI_STREAMER_DIST="1", RUNAI_STREAMER_S3_TIMEOUT="600")
+    return dict(os.environ, **server.environment(), RUNAI_STREAMER_DIST="1", RUNAI_STREAMER_S3_TIMEOUT="600")
 
 
 def _spawn(specs: list[dict], env: dict) -> list[dict]:

@@ -218,6 +218,14 @@ class S3Server:
         return dict(endpoint=self.endpoint, allow_http="true", max_retries=3, retry_timeout=5, init_backoff=0.01,
                     max_backoff=0.05, **self.credentials)
 
+    def environment(self) -> dict[str, str]:
+        """The standard environment variables that point S3 clients given no options at the proxy: obstore's and
+        boto's AWS_* and the Run:ai streamer's path-style addressing (vLLM fetches an s3:// model's config with it)."""
+        c = self.credentials
+        return dict(AWS_ENDPOINT_URL=self.endpoint, AWS_ACCESS_KEY_ID=c["access_key_id"],
+                    AWS_SECRET_ACCESS_KEY=c["secret_access_key"], AWS_REGION=c["region"], AWS_ALLOW_HTTP="true",
+                    AWS_EC2_METADATA_DISABLED="true", RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0")
+
     def put(self, bucket: str, key: str, data: bytes) -> str:
         """Store `data` as s3://bucket/key (uncounted; the bucket is created by the first upload); returns its ETag."""
         import obstore

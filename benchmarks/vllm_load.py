@@ -1,21 +1,23 @@
-"""vLLM load formats compared: seconds from `LLM(...)` to ready and bytes pulled from storage, cold.
+"""vLLM load formats compared in one alternating run: engine ready time, the weight-loading step, bytes per node.
 
 Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, e.g.
 
-    VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 \
-        --formats raylazy auto fastsafetensors runai_streamer
+    VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 --cache cold warm --runs 5 \
+        --formats raylazy auto runai_streamer raylazy:ranged
 
-Each run is a fresh process (`--one`), so no run starts with another's imports or engine. Before it, the
-parent evicts the checkpoint's pages (posix_fadvise DONTNEED: a cold start) and reads the device's counters
-(/proc/diskstats: what the whole machine pulled from the checkpoint's device, other processes included). The
-child imports vLLM, times `LLM(...)` (engine, workers, weights, KV cache: until it can serve), and sums the
-`read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io: what these processes made the
-device read; "worker max" is the most one worker read: ranks share the page cache, so a page another rank
-already pulled costs nothing) before shutting down. The engine runs in the child's process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
-at tp > 1 the workers are its children. "load s" is the weights' own time as the loader logs it (vLLM's
-default loader: "Loading weights took"; raylazy: the rank's line, slowest rank), when it logs one. A format
-that fails is reported with the end of its error. The default checkpoint is the benchmark's 0.53 GB Llama
-(benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64), built on first use.
+Runs alternate: for each repetition, for each tp and cache state, every format in turn (A B C A B C ...), so
+drift on a shared machine spreads over all formats alike. Each run is a fresh process (`--one`). Before it,
+the parent makes the cache state (cold: the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the
+files read once) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times
+`LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and
+sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). "load" is the
+weight-loading step as each worker logs it (vLLM's loaders: "Loading weights took"; raylazy: its line's
+`seconds`, the whole of its `load_weights`), the slowest worker's; runai_streamer logs none. "device read" and
+"mean request" are what /proc/diskstats saw the checkpoint's device read meanwhile (the node's reads from
+storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size.
+A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config. The table gives medians
+(and the range) over the repetitions; every run's numbers go to stderr as JSON. The default checkpoint is the
+benchmark's 0.53 GB Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64), built on first use.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -35,59 +38,107 @@ from benchmarks.loaders.diskstats import Device  # noqa: E402
 from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
 
-FORMATS = ("raylazy", "auto", "fastsafetensors", "runai_streamer")
+FORMATS = ("raylazy", "auto", "runai_streamer")
 #: The benchmark checkpoint: Llama-shaped, bf16, 3 layers (0.53 GB).
 SPEC = ModelSpec(layers=3)
 
 
-def _read_bytes(pid: int) -> int:
-    return proc_io(pid)["read_bytes"]
+def load_format(spec: str) -> tuple[str, dict]:
+    """`raylazy:backend=ranged,threads=8` -> ("raylazy", {"backend": "ranged", "threads": 8})."""
+    name, _, opts = spec.partition(":")
+    extra = {}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        extra[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    return name, extra
 
 
-def one(model: str, load_format: str, tp: int) -> dict:
-    """In the child: time LLM(...) and the bytes this process and the workers read."""
+def one(model: str, spec: str, tp: int) -> dict:
+    """In the child: time LLM(...) to the first token, and the bytes this process and the workers read."""
     import psutil
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
-    before = _read_bytes(os.getpid())
+    fmt, extra = load_format(spec)
+    before = proc_io()["read_bytes"]
     t0 = time.perf_counter()
-    llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
-              skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1)
+    llm = LLM(model=model, load_format=fmt, model_loader_extra_config=extra, tensor_parallel_size=tp,
+              dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     ready = time.perf_counter() - t0
-    workers = [_read_bytes(p.pid) for p in psutil.Process().children(recursive=True)]
-    own = _read_bytes(os.getpid()) - before
+    workers = [proc_io(p.pid)["read_bytes"] for p in psutil.Process().children(recursive=True)]
+    own = proc_io()["read_bytes"] - before
     llm.llm_engine.engine_core.shutdown()
     # tp=1: the worker is this process; tp > 1: the workers are its children
     return {"ready_s": ready, "read_bytes": own + sum(workers), "worker_max": max(workers) if tp > 1 else own}
 
 
-def measure(model: str, load_format: str, tp: int, device: Device) -> dict:
+def prepare(files: list[str], cache: str) -> None:
+    """Make the cache state: cold (the files' pages evicted) or warm (the files read once)."""
+    if cache == "cold":
+        left = evict(files)
+        if left:
+            print(f"warning: {left} bytes of the checkpoint stayed in the page cache", file=sys.stderr)
+        return
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def measure(model: str, spec: str, tp: int, cache: str, device: Device) -> dict:
     files = checkpoint_files(model)
-    left = evict(files)
+    prepare(files, cache)
     disk0 = device.settled_reads() if device.name else None
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", load_format, "--tp", str(tp),
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec, "--tp", str(tp),
                            "--model", model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    disk = (device.settled_reads() - disk0).bytes if disk0 else None
+    disk = device.settled_reads() - disk0 if disk0 else None
+    row = {"format": spec, "tp": tp, "cache": cache}
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if done.returncode or result is None:
         error = [line for line in done.stdout.splitlines() if "Error" in line] or done.stdout.splitlines()
-        return {"format": load_format, "tp": tp, "error": (error[-1] if error else "")[-200:]}
+        return {**row, "error": (error[-1] if error else "")[-200:]}
     load = [float(x) for x in re.findall(r"Loading weights took ([\d.]+) seconds", done.stdout)]
-    load += [float(x) for x in re.findall(r"raylazy: rank .* ([\d.]+) s in all", done.stdout)]
-    ratios = [float(x) for x in re.findall(r"raylazy: rank \d+ read .*? needed \(([\d.]+)x", done.stdout)]
-    return {"format": load_format, "tp": tp, **result, "disk_bytes": disk, "load_s": max(load, default=None),
-            "read_over_needed": max(ratios, default=None), "resident_before": left}
+    load += [float(x) for x in re.findall(r"raylazy: rank .* seconds=([\d.]+)\]", done.stdout)]
+    return {**row, **result, "load_s": max(load, default=None), "disk_bytes": disk.bytes if disk else None,
+            "mean_request": disk.mean_request if disk else None}
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Markdown rows: medians (min-max) per format, tp and cache state."""
+    def med(values, fmt):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "-"
+        return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+    out = ["| format | tp | cache | runs | ready s | load s | device read MB | mean request kB | processes read MB "
+           "| worker max MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["tp"], r["cache"], r["format"]) for r in rows))
+    for tp, cache, spec in keys:
+        ok = [r for r in rows if (r["tp"], r["cache"], r["format"]) == (tp, cache, spec) and "error" not in r]
+        failed = [r for r in rows if (r["tp"], r["cache"], r["format"]) == (tp, cache, spec) and "error" in r]
+        if not ok:
+            out.append(f"| {spec} | {tp} | {cache} | 0 | fails: `{failed[0]['error']}` | | | | | |")
+            continue
+        s, mb, kb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}"), (lambda v: f"{v / 1e3:.0f}")
+        out.append(f"| {spec} | {tp} | {cache} | {len(ok)} | {med([r['ready_s'] for r in ok], s)} | "
+                   f"{med([r['load_s'] for r in ok], s)} | {med([r['disk_bytes'] for r in ok], mb)} | "
+                   f"{med([r['mean_request'] for r in ok], kb)} | {med([r['read_bytes'] for r in ok], mb)} | "
+                   f"{med([r['worker_max'] for r in ok], mb)} |")
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a checkpoint directory (default: the benchmark's Llama, built on first use)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), help="load formats; raylazy:KEY=VALUE,... for options")
+    ap.add_argument("--cache", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    ap.add_argument("--runs", type=int, default=5, help="repetitions (each runs every format once)")
     ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     model = args.model or ensure_checkpoint(SPEC)
@@ -96,21 +147,17 @@ def main(argv=None) -> int:
         return 0
     device = Device(checkpoint_files(model))
     print(f"checkpoint {model}: {sum(os.path.getsize(f) for f in checkpoint_files(model)) / 1e9:.2f} GB; device "
-          f"{device.name or device.missing}")
-    print(f"{'format':<16} {'tp':>2} {'ready s':>8} {'load s':>7} {'processes read':>15} {'worker max':>11} "
-          f"{'device read':>12} {'read/needed':>11}")
-    for tp in args.tp:
-        for fmt in args.formats:
-            r = measure(model, fmt, tp, device)
-            print(json.dumps(r), file=sys.stderr, flush=True)
-            if "error" in r:
-                print(f"{fmt:<16} {tp:>2} failed: {r['error']}", flush=True)
-                continue
-            gb = lambda n: "-" if n is None else f"{n / 1e9:.3f} GB"  # noqa: E731
-            load = "-" if r["load_s"] is None else f"{r['load_s']:.2f}"
-            ratio = "-" if r["read_over_needed"] is None else f"{r['read_over_needed']:.3f}"
-            print(f"{fmt:<16} {tp:>2} {r['ready_s']:>8.1f} {load:>7} {gb(r['read_bytes']):>15} "
-                  f"{gb(r['worker_max']):>11} {gb(r['disk_bytes']):>12} {ratio:>11}", flush=True)
+          f"{device.name or device.missing}; uptime before: {os.popen('uptime').read().strip()}", flush=True)
+    rows = []
+    for rep in range(args.runs):
+        for tp in args.tp:
+            for cache in args.cache:
+                for spec in args.formats:
+                    r = measure(model, spec, tp, cache, device)
+                    print(json.dumps({"run": rep, **r}), file=sys.stderr, flush=True)
+                    rows.append(r)
+    print(f"uptime after: {os.popen('uptime').read().strip()}")
+    print("\n".join(table(rows)))
     return 0
 
 

@@ -100,13 +100,44 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=256,
              num_hidden_layers=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False),
     ),
+    # Mixtures of experts for vLLM on CPU: experts per expert on disk (Mixtral's w1/w2/w3, Qwen's and DeepSeek's
+    # gate/up/down_proj), a shared expert with its gate (Qwen2-MoE), multi-head latent attention, a dense first
+    # layer and a shared expert (DeepSeek-V3, its gate's score correction bias: topk_method noaux_tc; MLA on CPUs takes kv_lora_rank +
+    # qk_rope_head_dim of 320, 512 or 576, and bfloat16).
+    "vllm-mixtral": (
+        "MixtralConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+             num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=512,
+             max_position_embeddings=256, tie_word_embeddings=False),
+    ),
+    "vllm-qwen2moe": (
+        "Qwen2MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+             num_hidden_layers=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False),
+    ),
+    "vllm-qwen3moe": (  # built in_memory: the experts fused on disk, as transformers 5 holds them
+        "Qwen3MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+             moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=512,
+             max_position_embeddings=256, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"]),
+    ),
+    "vllm-deepseek": (
+        "DeepseekV3Config",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=192,
+             moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+             topk_group=1, topk_method="noaux_tc", first_k_dense_replace=1, num_hidden_layers=2, vocab_size=512,
+             q_lora_rank=64, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+             max_position_embeddings=256, tie_word_embeddings=False),
+    ),
 }
 
 #: Small enough that every model above is written as 2-5 shards.
 DEFAULT_SHARD_SIZE = "80KB"
 
 _SEEDS = {"llama": 1, "qwen2": 2, "mixtral": 3, "qwen2_moe": 4, "qwen3_moe": 5, "deepseek_v3": 6, "vllm-llama": 7,
-          "vllm-qwen2": 8, "vllm-mqa": 9}
+          "vllm-qwen2": 8, "vllm-mqa": 9, "vllm-mixtral": 10, "vllm-qwen2moe": 11, "vllm-deepseek": 12,
+          "vllm-qwen3moe": 13}
 
 
 def build_checkpoint(

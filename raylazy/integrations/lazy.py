@@ -1,70 +1,67 @@
-"""Checkpoint tensors as lazy, tensor-like weights whose use says which bytes to read, and the reads that serve them.
+"""Checkpoint tensors as lazy, tensor-like weights whose use says which bytes to read, and the recording of a
+consumer's run over them.
 
 A consumer (vLLM's `model.load_weights`, with its own weight loaders) gets one `LazyWeight` per checkpoint
-tensor. It runs twice. While `Recording`, nothing is read: `narrow`, basic slicing, `chunk` and `split` only
-shrink the weight's `Region` (a box of the full tensor), and `param.copy_(weight)` notes the region and
-copies nothing; any other use (`.t()`, `.item()`, `torch.cat`, ...) notes the region as it is at that point,
-marked *opaque* (raylazy cannot follow the op, so it reads all of it), and gets zeros. While `Serving`, the
-noted regions are read in batches of about `batch_bytes`, in the order they were noted, by a raylazy reader
-on a background thread (at most `batches_ahead` batches beyond the ones being taken), and each use gets the region's
-real bytes. A region the second run takes that the first did not note is read on its own and counted.
+tensor. What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing, `chunk`, `split`,
+`unbind`, `unsqueeze`, `squeeze`, `transpose`, `t`, `permute`, `reshape` or `view` that only add or drop
+dims of size 1, `contiguous`, and `to`/`float`/... (a conversion, applied when the bytes come). Such a weight
+is its `Region` (a box of the full tensor) seen through a `View` (which box dim each of its dims shows).
+`dst.copy_(weight)` and `dst[index] = weight` are copies the run defers (`Recording`); any other use
+(`.item()`, arithmetic, `torch.cat`, ...) is an op raylazy cannot follow: the weight's region, as far as it
+was narrowed, is read there and then, counted as opaque, and from then on the weight is that tensor.
 
-Each region becomes one `TensorShard` of a one-rank plan, cut along its first narrowed dim exactly as the
-planner cuts a placement's slice (one range, or one range per row); a region narrowed along several dims is
-read along the first and cut down in memory (the extra bytes count as read, not needed).
+While recording (the first run), deferred copies are noted, not done. `Recording.replayable` says whether
+doing them afterwards, in any order that keeps overlapping destinations in turn, leaves the consumer's
+tensors as the run itself would have: no tensor written by a deferred copy was read or written by another op
+afterwards (a `TorchFunctionMode` watches the run), and every destination is one of the model's own tensors.
+Otherwise the consumer runs again (`raylazy.integrations.serving`).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from math import ceil, prod
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch.overrides import TorchFunctionMode
 
 from ..core.checkpoint import Checkpoint
 from ..core.dtypes import DTYPE_BITS, torch_dtype
 from ..core.header import TensorInfo
-from ..core.mesh import Mesh
 from ..core.options import ReaderOptions, validated
-from ..core.placements import Piece, Slicing
-from ..core.planner import tensor_shard
-from ..core.plans import FileRef, RankPlan, TensorShard
-from ..errors import ConfigurationError
-from ..io.backends import NODE_BACKENDS, read_rank, solo_backend
-from ..io.stats import ReadStats
+from ..core.plans import Read, TensorShard
+from ..errors import ConfigurationError, PartialByteSliceError
 
-#: Default bytes of regions read per batch.
+#: Default bytes of regions read per batch (beyond those read straight into their destination).
 DEFAULT_BATCH_BYTES = 256 << 20
+#: Whether `count` rows of `length` bytes, `stride` bytes apart, are read as one range with their gaps:
+#: `gather(length, stride, count)`.
+Gather = Callable[[int, int, int], bool]
 
 
 class LazyOptions(BaseModel):
-    """How lazy weights are served: the reader (`ReaderOptions`: backend ranged or fastsafetensors, threads,
-    queue_size, chunk_bytes, ...), row gaps read through (`max_gap`, as for `raylazy.plan`), and the batches:
-    about `batch_bytes` of regions each (ranged; fastsafetensors reads all in one), `batches_ahead` read
-    beyond the ones being used (host memory: about (batches_ahead + 2) x batch_bytes)."""
+    """How lazy weights are served: the reader (`ReaderOptions`: backend, threads, queue_size, chunk_bytes, ...),
+    row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
+    deciding each strided region on object storage), the batches (about `batch_bytes` of regions each
+    besides those read in place; `batches_ahead` read beyond the ones being used: host memory about
+    (batches_ahead + 2) x batch_bytes), and `replay` (False: always run the consumer a second time)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     reader: ReaderOptions = ReaderOptions()
-    max_gap: int = Field(0, ge=0)
+    max_gap: int | None = Field(None, ge=0)
     batch_bytes: int = Field(DEFAULT_BATCH_BYTES, ge=4096)
     batches_ahead: int = Field(1, ge=0, le=64)
-
-    @property
-    def backend(self) -> str:
-        return solo_backend(self.reader.backend)
+    replay: bool = True
 
 
 def lazy_options(options: Mapping | None) -> LazyOptions:
     """Validate flat options (the reader's and LazyOptions' own): a ConfigurationError names each bad or unknown one."""
     if not isinstance(options, Mapping):
         raise ConfigurationError(f"options must be a mapping of option names to values, got {type(options).__name__}")
-    if options.get("backend") in NODE_BACKENDS:
-        raise ConfigurationError(f"backend={options['backend']!r}: lazy weights cannot read cooperatively yet (no "
-                                 "process group is shared with the other ranks here); use 'ranged' or 'fastsafetensors'")
     reader = {k: v for k, v in options.items() if k in ReaderOptions.model_fields}
     rest = {k: v for k, v in options.items() if k not in reader}
     return validated(LazyOptions, **rest, reader=validated(ReaderOptions, **reader))
@@ -88,15 +85,12 @@ class Region:
         return prod(self.sizes) * DTYPE_BITS[self.tensor.dtype] // 8
 
     @property
-    def cut_dims(self) -> tuple[int, ...]:
-        return tuple(d for d, (n, full) in enumerate(zip(self.sizes, self.tensor.shape)) if n != full)
+    def order(self) -> tuple:
+        """Where the region lies in the checkpoint: regions sort in file and byte order."""
+        return self.file, self.tensor.start, self.starts, self.sizes
 
     def narrow(self, dim: int, start: int, length: int) -> Region:
-        """The region of `torch.narrow(self, dim, start, length)` (its errors, too)."""
-        ndim = len(self.sizes)
-        if not -ndim <= dim < ndim:
-            raise IndexError(f"{self.tensor.name}: dimension {dim} out of range for a {ndim}-d tensor")
-        dim %= ndim
+        """The region narrowed along box dim `dim` (already non-negative) to [start, start + length)."""
         size = self.sizes[dim]
         start = start + size if start < 0 else start
         if start < 0 or length < 0 or start + length > size:
@@ -105,87 +99,296 @@ class Region:
         return Region(self.file, self.tensor, _put(self.starts, dim, self.starts[dim] + start),
                       _put(self.sizes, dim, length))
 
-    def shard(self, max_gap: int, path: str) -> TensorShard:
-        """The plan entry reading this region along its first narrowed dim (the whole tensor if none)."""
-        cut = self.cut_dims
-        slicing = None
-        if cut:
-            d = cut[0]
-            slicing = Slicing(d, self.sizes[d], (Piece(self.starts[d], 0, self.sizes[d]),))
-        return tensor_shard(self.file, self.tensor, "lazy", slicing, max_gap, path)
-
-    def trim(self, tensor):
-        """`tensor`, read along the first narrowed dim, cut down along the others."""
-        for d in self.cut_dims[1:]:
-            tensor = tensor.narrow(d, self.starts[d], self.sizes[d])
-        return tensor
+    def shard(self, name: str, gather: Gather, path: str) -> TensorShard:
+        """The region as one shard of a rank plan, named `name`: its box, in row-major order, its strided rows
+        read exactly or as one range with their gaps as `gather` says."""
+        t = self.tensor
+        cut = [d for d, (n, full) in enumerate(zip(self.sizes, t.shape)) if n != full]
+        pieces = ((self.starts[cut[0]], 0, self.sizes[cut[0]]),) if cut else ()
+        return TensorShard(name=name, file=self.file, offset=t.start, dtype=t.dtype, full_shape=t.shape,
+                           shape=self.sizes, placement="lazy", dim=cut[0] if cut else None, pieces=pieces,
+                           reads=box_reads(self, cut, gather, path))
 
 
-def _put(values: tuple[int, ...], i: int, v: int) -> tuple[int, ...]:
+def box_reads(region: Region, cut: list[int], gather: Gather, path: str) -> tuple[Read, ...]:
+    """The reads of a box, with `cut` its dims narrower than the tensor. Along the last cut dim d, each run of
+    the box is contiguous in the file; runs over the whole dims between the last cut dim before d (j) and d are
+    one stride apart, so each index of the dims before j is one (strided) Read."""
+    t, starts, sizes, shape = region.tensor, region.starts, region.sizes, region.tensor.shape
+    bits = DTYPE_BITS[t.dtype]
+    if not prod(sizes):
+        return ()
+    if not cut:
+        return (Read(file=region.file, offset=t.start, length=t.nbytes, dst_offset=0),)
+    d = cut[-1]
+    j = max((k for k in cut if k < d), default=0)
+    run, stride = sizes[d] * prod(shape[d + 1:]) * bits, prod(shape[d:]) * bits  # bits of a run, between runs
+    count = sizes[j] * prod(shape[j + 1 : d]) if d else 1
+    base = starts[d] * prod(shape[d + 1:]) * bits + (starts[j] * prod(shape[j + 1:]) * bits if d else 0)
+    reads = []
+    for n, outer in enumerate(_indices(sizes[:j] if d else ())):
+        src = base + sum((starts[k] + o) * prod(shape[k + 1:]) * bits for k, o in enumerate(outer))
+        dst = n * count * run
+        if any(b % 8 for b in (src, run, dst) + ((stride,) if count > 1 else ())):
+            raise PartialByteSliceError(f"{path}: tensor {t.name!r}: the box {list(sizes)} at {list(starts)} of "
+                                        f"{t.dtype} {list(shape)} does not start and end on whole bytes")
+        src, length, step, dst = src // 8, run // 8, stride // 8, dst // 8
+        if count == 1:
+            reads.append(Read(file=region.file, offset=t.start + src, length=length, dst_offset=dst))
+        else:
+            reads.append(Read(file=region.file, offset=t.start + src, length=length, dst_offset=dst, count=count,
+                              stride=step, dst_stride=length, gather=gather(length, step, count)))
+    return tuple(reads)
+
+
+def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Every index of a box of `sizes`, in row-major order (one empty index for no dims)."""
+    if not sizes:
+        yield ()
+        return
+    for i in range(sizes[0]):
+        for rest in _indices(sizes[1:]):
+            yield (i,) + rest
+
+
+def _put(values: tuple, i: int, v) -> tuple:
     return values[:i] + (v,) + values[i + 1 :]
 
 
-def lazy_weights(ckpt: Checkpoint, run: Recording | Serving) -> Iterator[tuple[str, LazyWeight]]:
-    """(name, LazyWeight) for every tensor of the checkpoint, in file order."""
+@dataclass(frozen=True)
+class View:
+    """How a lazy weight shows its region's box: its dim i is box dim `dims[i]` (None: a dim of size 1 it
+    added); box dims it does not show have size 1. `dtype` and `device`: conversions asked (None: none)."""
+
+    dims: tuple[int | None, ...]
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+
+    def of(self, box: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """The weight's tensor from its box as read (`sizes`: the region's; a sub-byte dtype, read as uint8
+        bytes, is returned as read)."""
+        t = box
+        if self.dims != tuple(range(len(sizes))) and tuple(box.shape) == sizes:
+            kept = [d for d in self.dims if d is not None]
+            t = box.permute(kept + [d for d in range(box.ndim) if d not in kept])
+            t = t.reshape([box.shape[d] if d is not None else 1 for d in self.dims])
+        if self.dtype is not None or self.device is not None:
+            t = t.to(device=self.device, dtype=self.dtype)
+        return t
+
+    @property
+    def in_order(self) -> bool:
+        """Whether the view shows the box's bytes in their own order (dims of size 1 added or dropped aside)."""
+        kept = [d for d in self.dims if d is not None]
+        return kept == sorted(kept)
+
+
+def lazy_weights(ckpt: Checkpoint, run) -> Iterator[tuple[str, LazyWeight]]:
+    """(name, LazyWeight) for every tensor of the checkpoint, in file order; `run` (a `Recording`, or a
+    `raylazy.integrations.serving.Serving`) takes their bytes and copies."""
     for fi, t in ckpt.tensors():
-        yield t.name, LazyWeight(run, Region.whole(fi, t))
+        region = Region.whole(fi, t)
+        yield t.name, LazyWeight(run, region, View(tuple(range(len(t.shape)))))
+
+
+def _follows(method: Callable) -> Callable:
+    """A tensor method a LazyWeight follows without reading; once the weight was read, the tensor's own."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def op(self, *args, **kwargs):
+        if self._data is not None:
+            return getattr(self._data, name)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return op
 
 
 class LazyWeight:
-    """A checkpoint tensor that reads nothing until used; narrowing and slicing only shrink its region. Like a
-    tensor, it takes attributes of the consumer's own (vLLM tags weights with a `shard_id`)."""
+    """A checkpoint tensor that reads nothing until used; rearranging it only changes its region and view. Like
+    a tensor, it takes attributes of the consumer's own (vLLM tags weights with a `shard_id`)."""
 
-    def __init__(self, run: Recording | Serving, region: Region):
-        self.run, self.region = run, region
+    def __init__(self, run, region: Region, view: View):
+        self.run, self.region, self.view = run, region, view
+        self._data = None  # the tensor, once an op that cannot be followed read it
 
     def __repr__(self) -> str:
         return f"LazyWeight({self.region.tensor.name!r}, starts={self.region.starts}, sizes={self.region.sizes})"
 
-    # what a weight loader asks without needing the data
+    def _with(self, region: Region | None = None, dims: tuple | None = None, **conversion) -> LazyWeight:
+        view = View(self.view.dims if dims is None else dims, conversion.get("dtype", self.view.dtype),
+                    conversion.get("device", self.view.device))
+        return LazyWeight(self.run, region or self.region, view)
+
+    def _dim(self, dim: int, extra: int = 0) -> int:
+        n = self.ndim + extra
+        if not -n <= dim < n:
+            raise IndexError(f"{self.region.tensor.name}: dimension {dim} out of range for a {self.ndim}-d tensor")
+        return dim % n
+
+    # what a consumer asks without needing the data
     @property
-    def shape(self):
-        return torch.Size(self.region.sizes)
+    def shape(self) -> torch.Size:
+        if self._data is not None:
+            return self._data.shape
+        return torch.Size(self.region.sizes[d] if d is not None else 1 for d in self.view.dims)
 
     def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[dim]
 
     @property
     def ndim(self) -> int:
-        return len(self.region.sizes)
+        return len(self.shape)
 
     def dim(self) -> int:
         return self.ndim
 
     def numel(self) -> int:
-        return prod(self.region.sizes)
+        return prod(self.shape)
+
+    nelement = numel
 
     def __len__(self) -> int:
-        return self.region.sizes[0]
+        return self.shape[0]
 
     @property
-    def dtype(self):
-        return torch_dtype(self.region.tensor.dtype)
+    def dtype(self) -> torch.dtype:
+        if self._data is not None:
+            return self._data.dtype
+        return self.view.dtype or torch_dtype(self.region.tensor.dtype)
 
     @property
-    def device(self):
-        return torch.device("cpu")
+    def device(self) -> torch.device:
+        if self._data is not None:
+            return self._data.device
+        return self.view.device or torch.device("cpu")
 
     def element_size(self) -> int:
-        return DTYPE_BITS[self.region.tensor.dtype] // 8
+        return self.dtype.itemsize
 
-    # what only shrinks the region (or keeps it)
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
+        return True  # whatever it becomes is made contiguous when read
+
+    # what only changes the region or the view
+    @_follows
     def detach(self) -> LazyWeight:
-        return LazyWeight(self.run, self.region)
+        return self._with()
 
+    @_follows
+    def contiguous(self, memory_format=torch.contiguous_format) -> LazyWeight:
+        return self._with()
+
+    @_follows
+    def clone(self, memory_format=torch.preserve_format) -> LazyWeight:
+        return self._with()
+
+    @_follows
     def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
-        return LazyWeight(self.run, self.region.narrow(dim, start, length))
+        dim = self._dim(dim)
+        box = self.view.dims[dim]
+        if box is not None:
+            return self._with(self.region.narrow(box, start, length))
+        if (start in (0, -1) and length == 1) or length == 0 and start in (0, 1):
+            return self if length else self.materialize().narrow(dim, start, length)
+        raise RuntimeError(f"{self.region.tensor.name}: narrow(dim={dim}, start={start}, length={length}) is out of "
+                           "range for size 1")
 
+    @_follows
+    def select(self, dim: int, index: int) -> LazyWeight:
+        dim = self._dim(dim)
+        n = self.shape[dim]
+        if not -n <= index < n:
+            raise IndexError(f"{self.region.tensor.name}: index {index} is out of bounds for dimension {dim} "
+                             f"with size {n}")
+        out = self.narrow(dim, index % n, 1)
+        return out._with(dims=out.view.dims[:dim] + out.view.dims[dim + 1 :])
+
+    @_follows
+    def unbind(self, dim: int = 0) -> tuple[LazyWeight, ...]:
+        return tuple(self.select(dim, i) for i in range(self.shape[self._dim(dim)]))
+
+    @_follows
+    def unsqueeze(self, dim: int) -> LazyWeight:
+        dim = self._dim(dim, extra=1)
+        return self._with(dims=self.view.dims[:dim] + (None,) + self.view.dims[dim:])
+
+    @_follows
+    def squeeze(self, dim=None) -> LazyWeight:
+        dims = range(self.ndim) if dim is None else [self._dim(d) for d in (dim if isinstance(dim, (tuple, list))
+                                                                           else (dim,))]
+        drop = {d for d in dims if self.shape[d] == 1}
+        return self._with(dims=tuple(b for i, b in enumerate(self.view.dims) if i not in drop))
+
+    @_follows
+    def permute(self, *dims) -> LazyWeight:
+        dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
+        order = [self._dim(d) for d in dims]
+        if sorted(order) != list(range(self.ndim)):
+            raise RuntimeError(f"{self.region.tensor.name}: permute({list(dims)}) is not a permutation of "
+                               f"{self.ndim} dims")
+        return self._with(dims=tuple(self.view.dims[d] for d in order))
+
+    @_follows
+    def transpose(self, dim0: int, dim1: int) -> LazyWeight:
+        order = list(range(self.ndim))
+        a, b = self._dim(dim0), self._dim(dim1)
+        order[a], order[b] = order[b], order[a]
+        return self.permute(order)
+
+    swapaxes = swapdims = transpose
+
+    @_follows
+    def t(self) -> LazyWeight:
+        if self.ndim > 2:
+            raise RuntimeError(f"{self.region.tensor.name}: t() expects a tensor with <= 2 dimensions, but it has "
+                               f"{self.ndim}")
+        return self.transpose(0, 1) if self.ndim == 2 else self
+
+    @property
+    def T(self) -> LazyWeight:  # noqa: N802  (torch's name)
+        return self._data.T if self._data is not None else self.permute(list(reversed(range(self.ndim))))
+
+    @_follows
+    def reshape(self, *shape) -> LazyWeight:
+        """Followed where it only adds or drops dims of size 1; any other reshape reads the region."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        if shape.count(-1) == 1 and self.numel():
+            known = prod(s for s in shape if s != -1)
+            shape = tuple(self.numel() // known if s == -1 else s for s in shape)
+        mine = [(i, n) for i, n in enumerate(self.shape) if n != 1]
+        if prod(shape) != self.numel() or [n for n in shape if n != 1] != [n for _, n in mine]:
+            return self.materialize().reshape(shape)
+        it = iter(mine)
+        return self._with(dims=tuple(None if n == 1 else self.view.dims[next(it)[0]] for n in shape))
+
+    @_follows
+    def view(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+            return self.materialize().view(shape[0])
+        return self.reshape(*shape)
+
+    @_follows
+    def to(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # how torch itself reads to()'s arguments
+        return self._with(dtype=dtype or self.view.dtype, device=device or self.view.device)
+
+    def float(self): return self.to(torch.float32)  # noqa: E704
+    def half(self): return self.to(torch.float16)  # noqa: E704
+    def bfloat16(self): return self.to(torch.bfloat16)  # noqa: E704
+    def double(self): return self.to(torch.float64)  # noqa: E704
+    def cpu(self): return self.to("cpu")  # noqa: E704
+
+    @_follows
     def chunk(self, chunks: int, dim: int = 0) -> tuple[LazyWeight, ...]:
-        n = self.region.sizes[dim]
+        n = self.shape[self._dim(dim)]
         return self.split(ceil(n / chunks) if n else 1, dim)
 
+    @_follows
     def split(self, split_size, dim: int = 0) -> tuple[LazyWeight, ...]:
-        n = self.region.sizes[dim]
+        n = self.shape[self._dim(dim)]
         sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
             [min(split_size, n - s) for s in range(0, n, split_size)] or [0]
         if sum(sizes) != n:
@@ -194,28 +397,33 @@ class LazyWeight:
         return tuple(self.narrow(dim, s, k) for s, k in zip(starts, sizes))
 
     def __getitem__(self, key):
-        """Slices with step 1 (and `...`) narrow; anything else reads the region and indexes it."""
+        """Ints select, slices with step 1 narrow, None adds a dim, `...` fills; anything else reads the region."""
+        if self._data is not None or not _basic(key):
+            return self.materialize()[key]
         keys = key if isinstance(key, tuple) else (key,)
-        if all(k is Ellipsis or (isinstance(k, slice) and k.step in (None, 1)) for k in keys) and \
-                sum(k is Ellipsis for k in keys) <= 1:
-            dims = list(range(self.ndim))
-            if Ellipsis in keys:
-                at = keys.index(Ellipsis)
-                dims = dims[:at] + dims[len(dims) - (len(keys) - at - 1):]
-                keys = keys[:at] + keys[at + 1:]
-            if len(keys) > self.ndim:
-                raise IndexError(f"{self.region.tensor.name}: too many indices ({len(keys)}) for a {self.ndim}-d tensor")
-            out = self
-            for d, k in zip(dims, keys):
-                start, stop, _ = k.indices(out.region.sizes[d])
-                out = out.narrow(d, start, max(0, stop - start))
-            return out
-        return self.materialize()[key]
+        taking = sum(k is not None and k is not Ellipsis for k in keys)
+        if taking > self.ndim:
+            raise IndexError(f"{self.region.tensor.name}: too many indices ({taking}) for a {self.ndim}-d tensor")
+        if Ellipsis in keys:
+            at = keys.index(Ellipsis)
+            keys = keys[:at] + (slice(None),) * (self.ndim - taking) + keys[at + 1 :]
+        out, d = self, 0
+        for k in keys:
+            if k is None:
+                out, d = out.unsqueeze(d), d + 1
+            elif isinstance(k, slice):
+                start, stop, _ = k.indices(out.shape[d])
+                out, d = out.narrow(d, start, max(0, stop - start)), d + 1
+            else:
+                out = out.select(d, k)
+        return out
 
     # what needs the data
-    def materialize(self):
-        """The region as a tensor (an op raylazy cannot follow: the whole current region is read)."""
-        return self.run.take(self.region, opaque=True)
+    def materialize(self) -> torch.Tensor:
+        """The weight as a tensor (for an op raylazy cannot follow: its region is read as far as narrowed)."""
+        if self._data is None:
+            self._data = self.view.of(self.run.take(self.region, opaque=True), self.region.sizes)
+        return self._data
 
     def __getattr__(self, name: str):
         """Any other tensor attribute reads the region; a name tensors lack is an AttributeError (reading nothing)."""
@@ -226,12 +434,23 @@ class LazyWeight:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and isinstance(args[0], LazyWeight) and func in _SHRINKING:
-            return getattr(args[0], _SHRINKING[func])(*args[1:], **kwargs)
+        if args and isinstance(args[0], LazyWeight) and func in _FOLLOWED:
+            return getattr(args[0], _FOLLOWED[func])(*args[1:], **kwargs)
         if func is torch.Tensor.copy_ and len(args) == 2 and isinstance(args[1], LazyWeight) \
-                and not isinstance(args[0], LazyWeight):
-            return args[1].run.copy_into(args[0], args[1].region)
+                and args[1]._data is None and not isinstance(args[0], LazyWeight):
+            return args[1].run.copy_into(args[0], args[1])
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], LazyWeight) \
+                and args[2]._data is None and isinstance(args[0], torch.Tensor) and _basic(args[1]):
+            args[2].run.copy_into(args[0][args[1]], args[2])
+            return None
         return func(*_materialized(args), **_materialized(kwargs))
+
+
+def _basic(key) -> bool:
+    """Whether an index is basic (ints, slices with step 1, None, `...`): it narrows, selects or adds dims."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or type(k) is int or isinstance(k, slice) and k.step in (None, 1)
+               for k in keys) and sum(k is Ellipsis for k in keys) <= 1
 
 
 def _materialized(value):
@@ -244,9 +463,10 @@ def _materialized(value):
     return value
 
 
-#: torch functions that only shrink a LazyWeight's region, and the LazyWeight method doing it.
-_SHRINKING = {torch.narrow: "narrow", torch.Tensor.narrow: "narrow", torch.chunk: "chunk",
-              torch.Tensor.chunk: "chunk", torch.split: "split", torch.Tensor.split: "split"}
+#: torch functions a LazyWeight follows, and its method doing it.
+_FOLLOWED = {f: name for name in ("narrow", "chunk", "split", "unbind", "select", "squeeze", "unsqueeze",
+                                  "transpose", "permute", "t", "reshape", "detach", "contiguous", "clone")
+             for f in (getattr(torch, name, None), getattr(torch.Tensor, name)) if f is not None}
 
 
 def _operator(name: str):
@@ -262,162 +482,130 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
     setattr(LazyWeight, _name, _operator(_name))
 
 
-@dataclass
-class LazyStats:
-    """What serving the regions took from storage. `bytes_needed`: the regions' own bytes (each distinct region
-    once); `opaque_*`: regions taken by an op raylazy cannot follow, read as far as they were narrowed (all of
-    the tensor when not narrowed at all); `unplanned_*`: regions the second run took that the first did not."""
+@dataclass(frozen=True)
+class Copy:
+    """A copy a run deferred: `dst.copy_(weight)` (the weight's region seen through its view)."""
 
-    regions: int = 0
-    bytes_needed: int = 0
-    bytes_read: int = 0
-    requests: int = 0
-    batches: int = 0
-    read_seconds: float = 0.0
-    opaque_regions: int = 0
-    opaque_bytes: int = 0
-    whole_opaque: int = 0
-    unplanned_regions: int = 0
-    unplanned_bytes: int = 0
-
-    def add_read(self, stats: ReadStats) -> None:
-        self.bytes_read += stats.bytes_read
-        self.requests += stats.requests
-        self.read_seconds += stats.seconds
-        self.batches += 1
+    dst: torch.Tensor
+    region: Region
+    view: View
 
 
 class Recording:
-    """The first run: notes every region taken (in order, with the number of takes); reads nothing."""
+    """The first run: copies deferred (`copies`, in order), regions used by ops that cannot be followed read at
+    once by `read_now(region)` (`opaque`, with their takes), and whether the deferred copies can be replayed."""
 
-    def __init__(self):
-        self.takes: dict[Region, int] = {}
-        self.opaque: set[Region] = set()
+    def __init__(self, read_now: Callable[[Region], torch.Tensor]):
+        self.read_now = read_now
+        self.copies: list[Copy] = []
+        self.opaque: dict[Region, int] = {}
+        self.why_not_replayable = ""  # the first reason, if any
+        self._written: dict[int, list[tuple[int, int]]] = {}  # storage -> byte extents deferred copies write
 
-    def _note(self, region: Region, opaque: bool) -> None:
-        self.takes[region] = self.takes.get(region, 0) + 1
-        if opaque:
-            self.opaque.add(region)
+    @property
+    def replayable(self) -> bool:
+        return not self.why_not_replayable
 
-    def take(self, region: Region, opaque: bool):
-        self._note(region, opaque)
-        return torch.zeros(region.sizes, dtype=torch_dtype(region.tensor.dtype))
+    def take(self, region: Region, opaque: bool = True) -> torch.Tensor:
+        self.opaque[region] = self.opaque.get(region, 0) + 1
+        return self.read_now(region)
 
-    def copy_into(self, dst, region: Region):
-        self._note(region, False)
+    def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
+        if tuple(dst.shape) != tuple(torch.broadcast_shapes(dst.shape, weight.shape)):
+            raise RuntimeError(f"{weight.region.tensor.name}: cannot copy a tensor of shape {list(weight.shape)} "
+                               f"into one of shape {list(dst.shape)}")
+        self.copies.append(Copy(dst, weight.region, weight.view))
+        key, lo, hi = extent(dst)
+        if hi > lo:
+            self._written.setdefault(key, []).append((lo, hi))
         return dst
 
+    def not_replayable(self, why: str) -> None:
+        self.why_not_replayable = self.why_not_replayable or why
 
-@dataclass
-class _Batch:
-    regions: list[Region]
-    left: int  # regions of the batch not yet taken their last time
-    read: bool = False
+    def watching(self) -> _Watch:
+        """A context in which every torch op is watched for use of what a deferred copy wrote (see `_Watch`)."""
+        return _Watch(self)
+
+    def overlaps(self, t: torch.Tensor) -> bool:
+        key, lo, hi = extent(t)
+        return any(a < hi and lo < b for a, b in self._written.get(key, ()))
+
+    def check_targets(self, tensors) -> None:
+        """Not replayable unless every copy's destination lies in one of `tensors` (the model's parameters and
+        buffers, as the run left them)."""
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        stray = next((c for c in self.copies if c.dst.untyped_storage().data_ptr() not in storages), None)
+        if stray is not None:
+            self.not_replayable(f"{stray.region.tensor.name!r} was copied into a tensor that is not one of the "
+                                "model's parameters or buffers")
 
 
-class Serving:
-    """The second run: reads the recorded regions in batches on a background thread and hands them out.
+def extent(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, end byte) of the memory a tensor spans (end = first for an empty one)."""
+    if not t.numel():
+        return 0, 0, 0
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().data_ptr(), lo, lo + span * size
 
-    Batches follow the recording order, each at most `batch_bytes` (or one region; fastsafetensors: all in
-    one) and holding each tensor once (a reader's shards are named by tensor). The reader stays at most
-    `batches_ahead` batches beyond the ones not yet fully taken, unless a take waits for a later batch. Use as
-    a context manager: leaving it stops the reader."""
 
-    def __init__(self, recording: Recording, files: tuple[FileRef, ...], options: LazyOptions = LazyOptions(),
-                 device: str = "cpu"):
-        self._files, self._options, self._device = files, options, device
-        batch_bytes = options.batch_bytes if options.backend == "ranged" else float("inf")
-        self._left = dict(recording.takes)
-        self.stats = LazyStats(regions=len(self._left), bytes_needed=sum(r.nbytes for r in self._left),
-                               opaque_regions=len(recording.opaque),
-                               opaque_bytes=sum(r.nbytes for r in recording.opaque),
-                               whole_opaque=sum(not r.cut_dims for r in recording.opaque))
-        self._batches: list[_Batch] = []
-        self._batch_of: dict[Region, int] = {}
-        names: set[str] = set()
-        size = 0
-        for region in self._left:
-            if not self._batches or size + region.nbytes > batch_bytes and size or region.tensor.name in names:
-                self._batches.append(_Batch([], 0))
-                names, size = set(), 0
-            self._batches[-1].regions.append(region)
-            self._batches[-1].left += 1
-            self._batch_of[region] = len(self._batches) - 1
-            names.add(region.tensor.name)
-            size += region.nbytes
-        self._ready: dict[Region, object] = {}
-        self._wanted = -1  # the latest batch a take waits for
-        self._taken = 0  # batches fully taken
-        self._error: BaseException | None = None
-        self._stop = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="raylazy-lazy-reader", daemon=True)
+#: Tensor attributes and methods that neither read nor write the data.
+_METADATA = frozenset({
+    "shape", "size", "dim", "ndim", "numel", "nelement", "dtype", "device", "stride", "storage_offset",
+    "is_contiguous", "element_size", "layout", "requires_grad", "requires_grad_", "is_cuda", "is_cpu", "is_meta",
+    "data_ptr", "untyped_storage", "nbytes", "itemsize", "__len__", "is_floating_point", "is_complex", "is_sparse",
+    "is_quantized", "names", "grad", "_version", "__hash__", "is_leaf", "output_nr", "_base", "is_inference"})
+#: Tensor methods whose result may be a view of their input (then nothing was read).
+_VIEWS = frozenset({
+    "narrow", "select", "__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT",
+    "permute", "unsqueeze", "squeeze", "expand", "expand_as", "chunk", "split", "unbind", "as_strided", "detach",
+    "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal", "contiguous", "data",
+    "tensor_split", "split_with_sizes", "unfold", "__torch_function__", "_make_subclass", "__new__", "to"})
 
-    def __enter__(self) -> Serving:
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property: Tensor.data.__get__ is "data", its setter "data="
+        return getattr(getattr(func, "__self__", None), "__name__", name) + ("=" if name == "__set__" else "")
+    return name
 
-    def _plan(self, regions: list[Region]) -> RankPlan:
-        shards = tuple(r.shard(self._options.max_gap, self._files[r.file].uri) for r in regions)
-        return RankPlan(rank=0, mesh=Mesh(), files=self._files, tensors=shards)
 
-    def _read_regions(self, regions: list[Region]) -> dict[Region, object]:
-        tensors, stats = read_rank(self._plan(regions), self._device, options=self._options.reader)
-        with self._cond:  # the reader thread and an unplanned take may both count
-            self.stats.add_read(stats)
-        return {r: r.trim(tensors[r.tensor.name]) for r in regions}
+def _tensors(value) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
-    def _run(self) -> None:
-        try:
-            for b, batch in enumerate(self._batches):
-                with self._cond:
-                    while not self._stop and b > self._wanted and b - self._taken > self._options.batches_ahead:
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                got = self._read_regions(batch.regions)
-                with self._cond:
-                    self._ready.update(got)
-                    batch.read = True
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001  (handed to the take that waits: the load fails there, with it)
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
 
-    def take(self, region: Region, opaque: bool = False):
-        """The region's bytes as a tensor (waits for its batch); a region not recorded is read on its own."""
-        with self._cond:
-            if self._left.get(region):
-                return self._take_recorded(region)
-        self.stats.unplanned_regions += 1
-        self.stats.unplanned_bytes += region.nbytes
-        return self._read_regions([region])[region]
+class _Watch(TorchFunctionMode):
+    """Marks a recording not replayable at the first op that reads or writes bytes a deferred copy writes (which
+    the run has not written yet): a view of them, or their shape, is no use of their bytes."""
 
-    def _take_recorded(self, region: Region):
-        """A recorded region with takes left (called holding the lock): waits for its batch, frees it on its last take."""
-        b = self._batch_of[region]
-        self._wanted = max(self._wanted, b)
-        self._cond.notify_all()
-        while not self._batches[b].read and self._error is None:
-            self._cond.wait()
-        if self._error is not None:
-            raise self._error
-        self._left[region] -= 1
-        if self._left[region]:
-            return self._ready[region]
-        self._batches[b].left -= 1
-        if not self._batches[b].left:
-            self._taken += 1
-            self._cond.notify_all()
-        return self._ready.pop(region)
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
 
-    def copy_into(self, dst, region: Region):
-        return dst.copy_(self.take(region))
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rec = self.recording
+        if rec._written and rec.replayable and not any(issubclass(t, LazyWeight) for t in types):
+            name = _op_name(func)
+            if name not in _METADATA:
+                hit = [t for t in _tensors((args, kwargs)) if rec.overlaps(t)]
+                if hit and not (name in _VIEWS and _views_of(out, hit[0])):
+                    rec.not_replayable(f"{name} used a tensor that a deferred copy writes, after that copy")
+        return out
 
+
+def _views_of(out, t: torch.Tensor) -> bool:
+    """Whether every tensor in `out` shares `t`'s storage (a view: nothing read)."""
+    outs = list(_tensors(out))
+    key = t.untyped_storage().data_ptr()
+    return all(o.untyped_storage().data_ptr() == key for o in outs)

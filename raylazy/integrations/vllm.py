@@ -1,15 +1,22 @@
-"""raylazy as a vLLM load format: `LLM(model, load_format="raylazy")`, `vllm serve DIR --load-format raylazy`.
+"""raylazy as a vLLM load format: `LLM(model, load_format="raylazy")`, `vllm serve DIR --load-format raylazy`
+(DIR a directory, a cached model id or an `s3://`, `gs://` or `az://` URI).
 
 The `vllm.general_plugins` entry point (`register`) makes the format known in every vLLM process. In each
-worker, `RaylazyModelLoader` runs the model's own `load_weights` twice over lazy weights
-(`raylazy.integrations.lazy`): the first run reads nothing and notes which region of each checkpoint tensor
-the worker's weight loaders take (its tensor-parallel slice; a pipeline stage never takes the layers it does
-not hold), the second gets exactly those regions, read in batches by raylazy's reader. Options come from
-`model_loader_extra_config` (`LazyOptions`). Each worker logs one line: bytes read against bytes needed.
+worker, `RaylazyModelLoader` runs the model's own `load_weights` once over lazy weights
+(`raylazy.integrations.lazy`), which reads nothing for what it can follow and notes which region of each
+checkpoint tensor the worker's weight loaders copy where (its tensor-parallel slice, its experts, only its
+pipeline stage's layers), then reads those regions with raylazy's readers and does the copies
+(`raylazy.integrations.serving`). Where the recording cannot be replayed, the model's `load_weights` runs a
+second time and gets the regions' real bytes. The workers of a node read the union of their regions together
+(cooperative through the page cache on CPUs, the exchange on GPUs and for object storage), unless the options
+say `backend="ranged"` or `"fastsafetensors"`. Options come from `model_loader_extra_config` (`LazyOptions`).
+Each worker logs one line (`_summary`; its fields: docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import time
 
@@ -21,9 +28,10 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..core.checkpoint import Checkpoint
-from ..core.plans import FileRef, format_bytes
+from ..core.plans import format_bytes
 from ..storage import open_checkpoint
-from .lazy import LazyStats, Recording, Serving, lazy_options, lazy_weights
+from .lazy import LazyOptions, Recording, lazy_options, lazy_weights
+from .serving import LazyStats, NodeGroup, Reads, Serving, in_place, wanted
 
 logger = init_logger("vllm.raylazy")
 
@@ -36,57 +44,148 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(LOAD_FORMAT)(RaylazyModelLoader)
+    _accept_object_storage()
+
+
+def _accept_object_storage() -> None:
+    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check. vLLM (0.32) fetches an
+    object-storage model's config files, keeps the URI in `model_config.model_weights`, then refuses every load
+    format but its own object-storage ones (`VllmConfig.try_verify_and_update_config`: "To load a model from
+    object storage (S3/GCS/Azure), 'load_format' must be 'modelexpress', 'runai_streamer' or
+    'runai_streamer_sharded'"), with no way for a plugin's format to say it reads such models. So for raylazy's
+    format and such a model only, the check runs with the format named as one it accepts, and raylazy's is put
+    back after; once per process; where a vLLM has no such method nothing is changed."""
+    from vllm.config import VllmConfig
+
+    check = getattr(VllmConfig, "try_verify_and_update_config", None)
+    if check is None or getattr(check, "raylazy", False):
+        return
+
+    @functools.wraps(check)
+    def verify(self):
+        load = self.load_config
+        if load.load_format != LOAD_FORMAT or not getattr(self.model_config, "model_weights", ""):
+            return check(self)
+        load.load_format = "runai_streamer"
+        try:
+            return check(self)
+        finally:
+            load.load_format = LOAD_FORMAT
+
+    verify.raylazy = True
+    VllmConfig.try_verify_and_update_config = verify
 
 
 class RaylazyModelLoader(BaseModelLoader):
-    """Loads each worker's regions of a local safetensors checkpoint (a directory, or a model id already in the
-    Hugging Face cache: nothing is downloaded) with raylazy's readers."""
+    """Loads each worker's regions of a safetensors checkpoint (a directory, a model id already in the Hugging
+    Face cache: nothing is downloaded, or an object-storage URI) with raylazy's readers."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = lazy_options(load_config.model_loader_extra_config)  # ConfigurationError naming a bad one
 
     def download_model(self, model_config: ModelConfig) -> None:
-        _checkpoint(model_config)
+        _checkpoint(model_config, self.options)
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        t0 = time.perf_counter()
-        ckpt = _checkpoint(model_config)
-        recording = Recording()
-        model.load_weights(lazy_weights(ckpt, recording))
-        files = tuple(map(FileRef.of, ckpt.files))
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        with self.serving(recording, files) as serving:
-            loaded = model.load_weights(lazy_weights(ckpt, serving))
+        t0, rchar0 = time.perf_counter(), _rchar()
+        ckpt = _checkpoint(model_config, self.options)
+        device = next(model.parameters()).device
+        with self.reads(ckpt) as reads:
+            recording = Recording(reads.read_alone)
+            with recording.watching():
+                loaded = model.load_weights(lazy_weights(ckpt, recording))
+            recording.check_targets(itertools.chain(model.parameters(), model.buffers()))
+            replay = self.options.replay and recording.replayable
+            out = in_place(recording.copies, device) if replay else {}
+            takes = wanted(recording.copies, None if replay else recording.opaque)
+            # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
+            with Serving(reads, takes, out, _workers(), device if replay else "cpu") as serving:
+                if replay:
+                    serving.replay(recording.copies)
+                else:
+                    loaded = model.load_weights(lazy_weights(ckpt, serving))
+        s = reads.stats
+        s.opaque_regions, s.opaque_bytes = len(recording.opaque), sum(r.nbytes for r in recording.opaque)
+        s.whole_opaque = sum(r.sizes == r.tensor.shape for r in recording.opaque)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        logger.info(_summary(rank, serving.stats, ckpt, params, self.options.backend, time.perf_counter() - t0))
+        rchar = None if rchar0 is None else _rchar() - rchar0
+        logger.info(_summary(_rank(), s, ckpt, params, "replay" if replay else "rerun",
+                             recording.why_not_replayable, rchar, time.perf_counter() - t0))
         if model_config.quantization is None and loaded is not None:
             # the check vLLM's default loader makes: every parameter was loaded from the checkpoint
             DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded)
 
-    def serving(self, recording: Recording, files: tuple[FileRef, ...]) -> Serving:
-        """What serves the second run's regions: raylazy's reader, in batches (`raylazy.integrations.lazy`)."""
-        return Serving(recording, files, self.options)
+    def reads(self, ckpt: Checkpoint) -> Reads:
+        """What reads the worker's regions (the tests' broken loader, tests/vllm/peer_loader.py, overrides it)."""
+        return Reads(ckpt, self.options)
 
 
-def _checkpoint(model_config: ModelConfig) -> Checkpoint:
-    model = model_config.model
-    if model_config.revision and not os.path.exists(model):
+def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
+    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage
+    (`LLM(model="s3://bucket/prefix")`) vLLM fetches only its config and tokenizer files into a local directory,
+    which becomes `model`, and keeps the URI in `model_weights`: the weights are read from there, each worker's
+    ranges straight from the store, reached with the options' `storage_options` (else the environment)."""
+    model = model_config.model_weights or model_config.model
+    if model_config.revision and not model_config.model_weights and not os.path.exists(model):
         model = f"{model}@{model_config.revision}"
-    return open_checkpoint(model)
+    return open_checkpoint(model, options.reader.storage_options)
 
 
-def _summary(rank: int, s: LazyStats, ckpt: Checkpoint, params: int, backend: str, seconds: float) -> str:
-    """The worker's log line: human words, then the numbers as key=value (tests and scripts parse those)."""
+class _Workers:
+    """vLLM's workers of this engine, over its world group's CPU (gloo) process group."""
+
+    def __init__(self, world):
+        self.rank, self.size, self._group = world.rank_in_group, world.world_size, world.cpu_group
+
+    def all_gather(self, obj) -> list:
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj, group=self._group)
+        return out
+
+
+def _workers() -> NodeGroup | None:
+    """The engine's workers, which load at once (None outside an engine, or where vLLM's world holds other
+    engines' workers too, data-parallel replicas, which need not load when this one does)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        world, tp, pp = ps.get_world_group(), ps.get_tp_group(), ps.get_pp_group()
+    except AssertionError:  # vLLM's groups are not initialised in this process
+        return None
+    return _Workers(world) if world.world_size == tp.world_size * pp.world_size else None
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _rchar() -> int | None:
+    """This process's rchar (/proc/self/io: the bytes its read system calls returned), None where absent."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(b"rchar:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _summary(rank: int, s: LazyStats, ckpt: Checkpoint, params: int, mode: str, why: str, rchar: int | None,
+             seconds: float) -> str:
+    """The worker's log line: words, then the numbers as key=value (tests and scripts parse those; docs/vllm.md
+    says which are measured, which counted and which planned)."""
+    node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""
     return (
-        f"raylazy: rank {rank} read {format_bytes(s.bytes_read)} for {format_bytes(s.bytes_needed)} needed "
-        f"({s.bytes_read / max(s.bytes_needed, 1):.3f}x; the checkpoint holds {format_bytes(ckpt.nbytes)}, the "
-        f"rank's parameters {format_bytes(params)}) with {backend} in {s.batches} batch(es), {s.requests} "
-        f"request(s), {s.read_seconds:.2f} s reading, {seconds:.2f} s in all; {s.opaque_regions} region(s) "
-        f"({format_bytes(s.opaque_bytes)}; {s.whole_opaque} whole tensor(s)) read as far as narrowed because "
-        f"their slice could not be derived; {s.unplanned_regions} region(s) taken only on the second run "
-        f"[rank={rank} bytes_read={s.bytes_read} bytes_needed={s.bytes_needed} checkpoint_bytes={ckpt.nbytes} "
-        f"param_bytes={params} requests={s.requests} opaque_regions={s.opaque_regions} "
-        f"opaque_bytes={s.opaque_bytes} whole_opaque={s.whole_opaque} unplanned_regions={s.unplanned_regions} "
-        f"unplanned_bytes={s.unplanned_bytes}]"
+        f"raylazy: rank {rank} needed {format_bytes(s.bytes_needed)} (its parameters {format_bytes(params)}; the "
+        f"checkpoint holds {format_bytes(ckpt.nbytes)}), read {format_bytes(s.planned_bytes_read)} as planned"
+        f"{node} with {s.backend} in {s.batches} batch(es) ({format_bytes(s.in_place_bytes)} in place), "
+        f"{s.read_seconds:.2f} s reading, {seconds:.2f} s in all, {mode}"
+        f"{' (' + why + ')' if why else ''}; {s.opaque_regions} region(s) ({format_bytes(s.opaque_bytes)}) "
+        f"read at once for ops raylazy cannot follow; {s.unplanned_regions} region(s) taken only on the second run "
+        f"[rank={rank} backend={s.backend} mode={mode} node_processes={s.node_processes} param_bytes={params} "
+        f"bytes_needed={s.bytes_needed} in_place_bytes={s.in_place_bytes} checkpoint_bytes={ckpt.nbytes} "
+        f"planned_bytes_read={s.planned_bytes_read} planned_requests={s.planned_requests} node_bytes={s.node_bytes} "
+        f"received_bytes={s.received_bytes} rchar={'-' if rchar is None else rchar} batches={s.batches} "
+        f"opaque_regions={s.opaque_regions} opaque_bytes={s.opaque_bytes} whole_opaque={s.whole_opaque} "
+        f"unplanned_regions={s.unplanned_regions} unplanned_bytes={s.unplanned_bytes} "
+        f"read_seconds={s.read_seconds:.3f} seconds={seconds:.3f}]"
     )

@@ -15,9 +15,9 @@ from .stats import Progress, ReadStats
 
 @dataclass(frozen=True)
 class Backend:
-    """`read(plan, device, *, options, on_progress, out) -> ({name: tensor}, ReadStats)` executes one rank's
-    plan in any process (cooperative also takes `node`, its node's `NodeTask`); `check(plan)` raises ConfigurationError, on the driver before any rank reads, for
-    a rank plan the backend cannot read."""
+    """`read(plan, device, *, options, on_progress, out, sources) -> ({name: tensor}, ReadStats)` executes one
+    rank's plan in any process (cooperative also takes `node`, its node's `NodeTask`); `check(plan)` raises
+    ConfigurationError, on the driver before any rank reads, for a rank plan the backend cannot read."""
 
     name: str
     read: Callable
@@ -84,6 +84,7 @@ def read_rank(
     node=None,
     on_progress: Progress | None = None,
     out: Mapping | None = None,
+    sources: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Execute one rank's plan in this process (no Ray needed): ({name: tensor} on `device`, its ReadStats).
 
@@ -92,10 +93,12 @@ def read_rank(
     chose; without, the rank reads alone: "auto" and the node backends read "ranged". `out` ({name: tensor}):
     shards filled in place and returned as the same tensors (see `raylazy.io.buffers.shard_buffers`:
     BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
-    bytes land. Raises on any failure; a shard of `out` may then be partly overwritten.
+    bytes land. `sources` ({file index: Source}): files of the plan the caller opened and checked already
+    (`raylazy.storage.open_planned`), read as they are and left open. Raises on any failure; a shard of `out`
+    may then be partly overwritten.
     """
     backend = options.backend if node is not None else solo_backend(options.backend)
-    return get_backend(backend).read(plan, device, options=options, on_progress=on_progress, out=out,
+    return get_backend(backend).read(plan, device, options=options, on_progress=on_progress, out=out, sources=sources,
                                      **({"node": node} if node is not None else {}))
 
 

@@ -77,11 +77,13 @@ def read_rank_cooperative(
     options: ReaderOptions = ReaderOptions(),
     on_progress: Progress | None = None,
     out: Mapping | None = None,
+    sources: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards together with the other ranks of `node.schedule`; returns ({name: tensor}, stats).
 
     Every rank of the node must run this with the same `node` at about the same time (each reads stripes the
-    others keep). `out` as for `raylazy.io.ranged.read_rank_ranged`. Raises on any failure; no partial shard is returned.
+    others keep). `out` and `sources` as for `raylazy.io.ranged.read_rank_ranged`. Raises on any failure; no
+    partial shard is returned.
     """
     import torch
 
@@ -99,7 +101,7 @@ def read_rank_cooperative(
     with ExitStack() as stack:
         # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
         ready = stack.enter_context(_ready_map(node.load_id, sched, mine)) if options.stripe_readers else None
-        sources = stack.enter_context(open_planned_files(plan, sorted(files)))
+        sources = stack.enter_context(open_planned_files(plan, sorted(files), opened=sources))
         _check_local(plan, sources)
         readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
         with _one_intra_op_thread(torch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -145,6 +146,8 @@ def read_rank_exchanged(
     options: ReaderOptions = ReaderOptions(),
     on_progress: Progress | None = None,
     out: Mapping | None = None,
+    sources: Mapping | None = None,
+    exchange: Exchange | None = None,
 ) -> tuple[dict, ReadStats]:
     """Load `plan`'s shards on `device` cooperatively with the other ranks of its node (`node`); returns
     ({name: tensor}, stats). Every rank of the node must call it with the same `node` at about the same
@@ -153,8 +156,10 @@ def read_rank_exchanged(
     The exchange runs over gloo for device "cpu" and NCCL for CUDA devices. `options`: `threads` threads
     read stripes; staging stays within `staging_budget` bytes; a peer that does not answer for
     `stripe_timeout_s` fails the exchange. A failure on any rank fails every rank of the node
-    (PeerFailedError on the others); no partial shard is returned. `out` as for the other readers
-    (`raylazy.io.buffers.shard_buffers`).
+    (PeerFailedError on the others); no partial shard is returned. `out` and `sources` as for the other readers
+    (`raylazy.io.ranged.read_rank_ranged`). `exchange`: the node's Exchange, open already (its local ranks in
+    `schedule.ranks` order) and left open, for a caller reading several plans in turn (the vLLM loader's
+    batches); without it, the ranks meet at `node.address` for this read.
     """
     import torch
 
@@ -171,7 +176,8 @@ def read_rank_exchanged(
     steps = _RankRounds(torch, rounds, me, [flat for flat, _ in buffers], dev, stats, counter)
     files = sorted({sched.stripes[s].file for s in rounds.own[me]})
     group = collective_backend(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)
-    with open_planned_files(plan, files, options.storage_options) as sources, Exchange(*group) as ex, \
+    with open_planned_files(plan, files, options.storage_options, sources) as sources, \
+            (nullcontext(exchange) if exchange else Exchange(*group)) as ex, \
             _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size,
                           dev.type != "cpu") as reader:
         for t in range(rounds.count):

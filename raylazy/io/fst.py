@@ -58,7 +58,7 @@ from ..core.dtypes import DTYPE_BITS
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, TensorShard
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
-from ..storage import local_path, open_verified
+from ..storage import local_path, open_planned_files
 from .buffers import plan_files, shard_buffers, shards_of
 from .stats import Counter, Meter, Progress, ReadStats
 
@@ -93,10 +93,12 @@ def read_rank_fastsafetensors(
     options: ReaderOptions,
     on_progress: Progress | None = None,
     out: Mapping | None = None,
+    sources: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards onto `device` with fastsafetensors; returns ({name: tensor}, stats).
 
-    `out` ({name: tensor}) gives shards to fill in place, as for `raylazy.io.ranged.read_rank_ranged`."""
+    `out` ({name: tensor}) gives shards to fill in place and `sources` files checked already, as for
+    `raylazy.io.ranged.read_rank_ranged`."""
     import torch
 
     meter = Meter()
@@ -104,7 +106,8 @@ def read_rank_fastsafetensors(
     check_fastsafetensors(plan)
     used = plan_files(plan)
     buffers = shard_buffers(torch, plan, dev, out)
-    data_bytes = [_verified_data_bytes(plan, i) for i in used]
+    with open_planned_files(plan, used, options.storage_options, sources) as checked:  # the files are the planned ones
+        data_bytes = [plan.files[i].size - 8 - int.from_bytes(checked[i].read(0, 8), "little") for i in used]
     counter = Counter(on_progress)
     load = partial(_load, torch, plan, buffers, dev, [local_path(plan.files[i].uri) for i in used],
                    queue_size=options.queue_size, on_progress=counter.add)
@@ -179,14 +182,6 @@ def _is_gds_unavailable(exc: BaseException) -> bool:
             return True
         exc, seen = exc.__cause__, seen + 1
     return False
-
-
-def _verified_data_bytes(plan: RankPlan, index: int) -> int:
-    """Check the file against the plan (size, header digest); returns its data section's size."""
-    ref = plan.files[index]
-    with open_verified(ref) as source:
-        header = int.from_bytes(source.read(0, 8), "little")
-    return ref.size - 8 - header
 
 
 def fst_runs(plan: RankPlan) -> list[tuple[int, int, int]]:

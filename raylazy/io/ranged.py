@@ -37,11 +37,13 @@ def read_rank_ranged(
     stage: bool | None = None,
     schedule: RankSchedule | None = None,
     out: Mapping | None = None,
+    sources: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Read `plan`'s shards onto `device`; returns ({name: tensor}, stats). Raises on any failure.
 
     `out` ({name: tensor}) gives shards to fill in place (and return): each must match its
-    shard (see `raylazy.io.buffers.shard_buffers`); the others are allocated.
+    shard (see `raylazy.io.buffers.shard_buffers`); the others are allocated. `sources`: files already open
+    and checked (`raylazy.storage.open_planned_files`'s `opened`).
 
     `schedule` is the plan's windows (default: `rank_schedule(plan, options.chunk_bytes)`).
     Staging keeps options.queue_size + 2 windows of host memory (-1: one, fully serial).
@@ -55,7 +57,7 @@ def read_rank_ranged(
     buffers = shard_buffers(torch, plan, dev, out)
     flats = [flat for flat, _ in buffers]
     schedule = schedule or rank_schedule(plan, options.chunk_bytes)
-    with open_planned_files(plan, plan_files(plan), options.storage_options) as sources:  # read-ahead off
+    with open_planned_files(plan, plan_files(plan), options.storage_options, sources) as sources:  # read-ahead off
         reader = _Reader(plan, sources, counter)
         threads = max([options.threads] + [s.concurrency for s in sources.values()])
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-read") as pool:

@@ -68,15 +68,23 @@ def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None
 
 @contextmanager
 def open_planned_files(plan: RankPlan, files: Iterable[int], storage_options: Mapping[str, Any] | None = None,
-                       ) -> Iterator[dict[int, Source]]:
-    """`open_planned` each of `files` (plan file indices); yields {index: Source} and closes them all on leaving."""
+                       opened: Mapping[int, Source] | None = None) -> Iterator[dict[int, Source]]:
+    """`open_planned` each of `files` (plan file indices); yields {index: Source} and closes them on leaving.
+    Files in `opened` (opened and checked by the caller, who reads several plans of one load in turn) are used
+    as they are and left open: a file is checked once per load."""
+    opened = opened or {}
     sources: dict[int, Source] = {}
+    mine: list[Source] = []
     try:
         for f in files:
-            sources[f] = open_planned(plan, f, storage_options)
+            if f in opened:
+                sources[f] = opened[f]
+            else:
+                sources[f] = open_planned(plan, f, storage_options)
+                mine.append(sources[f])
         yield sources
     finally:
-        for source in sources.values():
+        for source in mine:
             source.close()
 
 

@@ -6,30 +6,32 @@ from __future__ import annotations
 
 import torch
 
-from raylazy.integrations.lazy import Region, Serving
+from raylazy.integrations.lazy import Region
+from raylazy.integrations.serving import Reads
 from raylazy.integrations.vllm import RaylazyModelLoader
 
 
 def neighbour(region: Region) -> Region:
     """The same box one box further along its first narrowed dim (wrapping): what the next rank would take."""
-    if not region.cut_dims:
+    cut = [d for d, (n, full) in enumerate(zip(region.sizes, region.tensor.shape)) if n != full]
+    if not cut:
         return region
-    d = region.cut_dims[0]
+    d = cut[0]
     start = (region.starts[d] + region.sizes[d]) % region.tensor.shape[d]
     start = min(start, region.tensor.shape[d] - region.sizes[d])
     return Region(region.file, region.tensor, region.starts[:d] + (start,) + region.starts[d + 1 :], region.sizes)
 
 
-class NeighbourServing(Serving):
+class NeighbourReads(Reads):
     """Reads each region's neighbour in its place."""
 
-    def _plan(self, regions):
-        return super()._plan([neighbour(r) for r in regions])
+    def shard(self, region, name):
+        return super().shard(neighbour(region), name)
 
 
 class PeerBytesLoader(RaylazyModelLoader):
     """raylazy's loader with rank 0 fed another rank's bytes."""
 
-    def serving(self, recording, files):
+    def reads(self, ckpt):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return (NeighbourServing if rank == 0 else Serving)(recording, files, self.options)
+        return (NeighbourReads if rank == 0 else Reads)(ckpt, self.options)

@@ -1,0 +1,433 @@
+"""Reading the regions a run of lazy weights took (`raylazy.integrations.lazy`) with raylazy's readers, in batches
+on a background thread, and handing them out: to a replay of the run's deferred copies, or to a second run.
+
+`Reads` reads regions of one checkpoint: its files are opened and checked against their headers once, on first
+use, and kept open for every read of the load. Each region is one shard of a rank plan (its box, read exactly);
+fastsafetensors, which reads whole tensors, gets each tensor once and the regions are cut from it.
+
+`Serving` reads the regions a process wants in batches, in checkpoint order, cut so that no process holds more
+than `batch_bytes` of regions beyond those read straight into their destination (replay's in-place reads). The
+processes loading the checkpoint at once on one node (vLLM's workers: a `NodeGroup`) read together, as raylazy
+reads a node: every one of them cuts the node's regions into the same batches, and each batch is one node
+read (`raylazy.core.schedule.node_schedule`), with `cooperative` through the page cache
+(`raylazy.io.cooperative`) or the `exchange` over a process group of raylazy's own (gloo on CPUs, NCCL on GPUs,
+`raylazy.io.exchange`), as `raylazy.io.backends.backend_for` picks for `auto`; a process alone on its node, or
+asked for `ranged` or `fastsafetensors`, reads its own regions.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from math import prod
+from typing import Protocol
+
+import torch
+
+from ..core.checkpoint import Checkpoint
+from ..core.dtypes import itemsize, torch_dtype
+from ..core.mesh import Mesh
+from ..core.plans import FileRef, Plan, RankPlan
+from ..core.schedule import NodeTask, node_schedule
+from ..io.backends import NODE_BACKENDS, backend_for, read_rank, solo_backend
+from ..io.collective import Exchange, collective_backend, node_address
+from ..io.exchange import ExchangeTask, read_rank_exchanged
+from ..io.stats import ReadStats
+from ..storage import open_planned, storage_for
+from .lazy import Copy, LazyOptions, LazyWeight, Region, extent
+
+
+@dataclass
+class LazyStats:
+    """What serving a run took. Counted: `regions` and `bytes_needed` (the distinct regions wanted, their bytes),
+    `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
+    follow took, read at once as far as narrowed; `whole_opaque`: of whole tensors), `unplanned_*` (regions a
+    second run took that the first did not). Planned (the readers' plan or node schedule arithmetic, not
+    measured): `planned_bytes_read`, `planned_requests`, `node_bytes` (the node's union, once). Measured:
+    `received_bytes` (from the node's other processes), `read_seconds`."""
+
+    backend: str = "ranged"
+    node_processes: int = 1
+    regions: int = 0
+    bytes_needed: int = 0
+    in_place_bytes: int = 0
+    planned_bytes_read: int = 0
+    planned_requests: int = 0
+    node_bytes: int = 0
+    received_bytes: int = 0
+    batches: int = 0
+    read_seconds: float = 0.0
+    opaque_regions: int = 0
+    opaque_bytes: int = 0
+    whole_opaque: int = 0
+    unplanned_regions: int = 0
+    unplanned_bytes: int = 0
+
+    def add_read(self, stats: ReadStats) -> None:
+        self.planned_bytes_read += stats.bytes_read
+        self.planned_requests += stats.requests
+        self.received_bytes += stats.bytes_received
+        self.read_seconds += stats.seconds
+
+
+class Reads:
+    """Regions of one checkpoint read with raylazy's readers; use as a context manager (it holds the files open).
+    Every read's statistics add up in `stats`."""
+
+    def __init__(self, ckpt: Checkpoint, options: LazyOptions):
+        self.ckpt, self.options = ckpt, options
+        self.files = tuple(map(FileRef.of, ckpt.files))
+        self.stats = LazyStats()
+        self._sources: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
+        self._cost = None if options.max_gap is not None else \
+            storage_for(ckpt.root, options.reader.storage_options).cost_model()
+
+    def __enter__(self) -> Reads:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for source in self._sources.values():
+            source.close()
+        self._sources.clear()
+
+    def sources(self, files) -> dict[int, object]:
+        """The files, opened and checked against the checkpoint's headers the first time one is asked for."""
+        with self._lock:
+            for f in files:
+                if f not in self._sources:
+                    self._sources[f] = open_planned(self._none, f, self.options.reader.storage_options)
+            return {f: self._sources[f] for f in files}
+
+    def shard(self, region: Region, name: str):
+        """The plan entry reading `region` (what the tests' broken loader overrides)."""
+        return region.shard(name, self._gather, self.ckpt.files[region.file].path)
+
+    def _gather(self, length: int, stride: int, count: int) -> bool:
+        """Strided rows read as one range: as `max_gap` says, or where it is None, as the storage's cost model
+        estimates sooner (object storage), or never (local files, where a request costs little)."""
+        if self._cost is not None:
+            return self._cost.gather(length, stride, count)
+        return stride - length <= (self.options.max_gap or 0)
+
+    def rank_plan(self, rank: int, regions: list[Region], mesh: Mesh = Mesh()) -> RankPlan:
+        """Rank `rank`'s plan for `regions`: one shard each, named after its tensor and box."""
+        return RankPlan(rank=rank, mesh=mesh, files=self.files, tensors=tuple(self.shard(r, _name(r)) for r in regions))
+
+    def read(self, regions: list[Region], *, backend: str = "ranged", device: str = "cpu", out: dict | None = None,
+             node: NodeRead | None = None) -> dict[Region, torch.Tensor]:
+        """Each region's box as a tensor on `device`: read alone with `backend`, or as this process's part of a
+        node read."""
+        if backend == "fastsafetensors":
+            return self._read_whole(regions, device)
+        options = self.options.reader.model_copy(update={"backend": backend})
+        plan = node.plan.ranks[node.local] if node else self.rank_plan(0, regions)
+        files = sorted({r.file for t in plan.tensors for r in t.reads} | (node.files if node else set()))
+        kw = dict(options=options, out={_name(r): t for r, t in (out or {}).items()}, sources=self.sources(files))
+        if node is None:
+            got, stats = read_rank(plan, device, **kw)
+        elif backend == "exchange":
+            task = ExchangeTask.of(node.plan, node.schedule, node.address)
+            got, stats = read_rank_exchanged(plan, device, node=task, exchange=node.exchange, **kw)
+        else:
+            got, stats = read_rank(plan, device, node=NodeTask(node.load_id, node.schedule), **kw)
+        with self._lock:
+            self.stats.add_read(stats)
+        return {r: got[_name(r)] for r in regions}
+
+    def _read_whole(self, regions: list[Region], device: str) -> dict[Region, torch.Tensor]:
+        """fastsafetensors: every tensor a region is in read whole, once; the regions cut from it."""
+        tensors = {r.tensor.name: Region.whole(r.file, r.tensor) for r in regions}
+        plan = RankPlan(rank=0, mesh=Mesh(), files=self.files,
+                        tensors=tuple(self.shard(w, name) for name, w in tensors.items()))
+        got, stats = read_rank(plan, device, options=self.options.reader, sources=self.sources(
+            sorted({w.file for w in tensors.values()})))
+        with self._lock:
+            self.stats.add_read(stats)
+        return {r: got[r.tensor.name][tuple(slice(a, a + n) for a, n in zip(r.starts, r.sizes))] for r in regions}
+
+    def read_alone(self, region: Region) -> torch.Tensor:
+        """One region, read at once by this process alone, on the CPU, where checkpoint tensors are (an op raylazy
+        cannot follow asked for it)."""
+        return self.read([region], backend=solo_backend(self.options.reader.backend))[region]
+
+
+def _name(region: Region) -> str:
+    box = ",".join(f"{a}:{a + n}" for a, n in zip(region.starts, region.sizes))
+    return f"{region.tensor.name}[{box}]"
+
+
+class NodeGroup(Protocol):
+    """The processes loading one checkpoint at once (vLLM's workers), this one being number `rank` of `size`."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, obj) -> list:
+        """Every process's `obj`, in rank order (a collective: all of them call it)."""
+
+
+def node_key() -> str:
+    """What identifies this machine (its page cache): the host name and the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass
+class NodeRead:
+    """One batch of a node read, as this process (local rank `local`) takes part in it: the plan of every
+    process of the node, its schedule, and what the backend needs (files of its stripes, load id, address)."""
+
+    plan: Plan
+    local: int
+    schedule: object
+    load_id: str
+    address: str
+    files: set[int] = field(default_factory=set)
+    exchange: Exchange | None = None
+
+
+@dataclass
+class _Peer:
+    """What each process tells the others: its node, an exchange address and a load id (its node's first
+    process's are used), and the regions it wants (checkpoint tensor index, starts, sizes, bytes held)."""
+
+    node: str
+    address: str
+    load_id: str
+    wants: list[tuple[int, tuple, tuple, int]]
+
+
+def batch_cuts(wants: list[dict[Region, int]], budget: float) -> list[list[list[Region]]]:
+    """The node's regions in checkpoint order, cut into batches (batch -> process -> its regions) so that no
+    process holds more than `budget` bytes (its regions' held bytes: 0 for those read in place) in one batch."""
+    regions = sorted({r for w in wants for r in w}, key=lambda r: r.order)
+    batches: list[list[list[Region]]] = []
+    held = [0] * len(wants)
+    for r in regions:
+        add = [w.get(r) for w in wants]
+        if not batches or any(h + (a or 0) > budget and h for h, a in zip(held, add)):
+            batches.append([[] for _ in wants])
+            held = [0] * len(wants)
+        for i, a in enumerate(add):
+            if a is not None:
+                batches[-1][i].append(r)
+                held[i] += a
+    return batches
+
+
+@dataclass
+class _Batch:
+    regions: list[Region]  # this process's
+    node: NodeRead | None
+    left: int  # regions of the batch not yet taken their last time
+    read: bool = False
+
+
+class Serving:
+    """Reads the regions this process wants (`takes`: region -> times taken) onto `device` in batches on a
+    background thread and hands them out (`take`, `copy_into`, `replay`). `out`: regions read straight into a
+    destination. `group`: the processes loading the checkpoint at once, for the node backends (making a Serving
+    is then a collective: every one of them makes its own). The reader stays at most `batches_ahead` batches
+    beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context manager:
+    leaving it stops the reader."""
+
+    def __init__(self, reads: Reads, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
+                 group: NodeGroup | None = None, device: str | torch.device = "cpu"):
+        self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
+        self._left, self._out = dict(takes), dict(out or {})
+        self.stats.regions, self.stats.bytes_needed = len(takes), sum(r.nbytes for r in takes)
+        self.stats.in_place_bytes = sum(r.nbytes for r in self._out)
+        self.backend, self._batches, self._session = self._plan(group)
+        self.stats.backend, self.stats.batches = self.backend, len(self._batches)
+        self._batch_of = {r: b for b, batch in enumerate(self._batches) for r in batch.regions}
+        self._ready: dict[Region, torch.Tensor] = {}
+        self._wanted = -1  # the latest batch a take waits for
+        self._taken = 0  # batches fully taken
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="raylazy-lazy-reader", daemon=True)
+
+    def _held(self) -> dict[Region, int]:
+        return {r: 0 if r in self._out else r.nbytes for r in self._left}
+
+    def _plan(self, group: NodeGroup | None) -> tuple[str, list[_Batch], object]:
+        """(backend, batches, the context the reader thread reads in): alone, or with the node's processes."""
+        requested = self.options.reader.backend
+        budget = self.options.batch_bytes if requested != "fastsafetensors" else float("inf")
+        if group is None or group.size < 2 or requested not in ("auto", *NODE_BACKENDS):
+            cuts = batch_cuts([self._held()], budget)
+            return solo_backend(requested), [_Batch(b[0], None, len(b[0])) for b in cuts], nullcontext()
+        index = {t.name: i for i, (_, t) in enumerate(self.reads.ckpt.tensors())}
+        me = _Peer(node_key(), node_address("127.0.0.1"), uuid.uuid4().hex,
+                   [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
+        peers = group.all_gather(me)
+        node = [i for i, p in enumerate(peers) if p.node == me.node]
+        backend = backend_for(requested, len(node), self.device, self.reads.files)
+        if backend not in NODE_BACKENDS:
+            cuts = batch_cuts([self._held()], budget)
+            return backend, [_Batch(b[0], None, len(b[0])) for b in cuts], nullcontext()
+        self.stats.node_processes = len(node)
+        tensors = list(self.reads.ckpt.tensors())
+        wants = [{Region(*tensors[i], starts, sizes): held for i, starts, sizes, held in peers[p].wants} for p in node]
+        first = peers[node[0]]
+        batches = [self._node_batch(cut, node.index(group.rank), first.load_id, b, first.address)
+                   for b, cut in enumerate(batch_cuts(wants, budget))]
+        session = _exchange(batches, len(node), self.device, self.options.reader.stripe_timeout_s) \
+            if backend == "exchange" else nullcontext()
+        return backend, batches, session
+
+    def _node_batch(self, cut: list[list[Region]], local: int, load_id: str, b: int, address: str) -> _Batch:
+        """Batch `b` as local process `local` reads it with the node: every process's plan, the node's schedule."""
+        mesh = Mesh(tp=len(cut))
+        plans = tuple(self.reads.rank_plan(i, regions, mesh) for i, regions in enumerate(cut))
+        plan = Plan(root=self.reads.ckpt.root, model_type=self.reads.ckpt.config.model_type, mesh=mesh,
+                    max_gap=self.options.max_gap, uneven="error", checkpoint_bytes=self.reads.ckpt.nbytes,
+                    files=self.reads.files, skipped=(), ranks=plans)
+        sched = node_schedule(plan, range(len(cut)), stripe_bytes=self.options.reader.stripe_bytes)
+        self.stats.node_bytes += sched.nbytes
+        files = {sched.stripes[i].file for i in sched.read_by(local)}
+        return _Batch(cut[local], NodeRead(plan, local, sched, f"{load_id}-{b}", address, files), len(cut[local]))
+
+    def __enter__(self) -> Serving:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            with self._session:
+                for b, batch in enumerate(self._batches):
+                    with self._cond:
+                        while not self._stop and b > self._wanted and b - self._taken > self.options.batches_ahead:
+                            self._cond.wait()
+                        if self._stop:
+                            raise _Stopped
+                    out = {r: self._out[r] for r in batch.regions if r in self._out}
+                    got = self.reads.read(batch.regions, backend=self.backend, device=self.device, out=out,
+                                          node=batch.node)
+                    with self._cond:
+                        self._ready.update(got)
+                        batch.read = True
+                        self._taken += not batch.left
+                        self._cond.notify_all()
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001  (handed to the take that waits: the load fails there, with it)
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def take(self, region: Region, opaque: bool = False) -> torch.Tensor:
+        """The region's box (waits for its batch); a region not wanted is read on its own, at once, and counted."""
+        with self._cond:
+            if self._left.get(region):
+                return self._take_wanted(region)
+        self.stats.unplanned_regions += 1
+        self.stats.unplanned_bytes += region.nbytes
+        return self.reads.read_alone(region)
+
+    def _take_wanted(self, region: Region) -> torch.Tensor:
+        """A wanted region with takes left (called holding the lock): waits for its batch, frees it on its last take."""
+        b = self._batch_of[region]
+        self._wanted = max(self._wanted, b)
+        self._cond.notify_all()
+        while not self._batches[b].read and self._error is None:
+            self._cond.wait()
+        if self._error is not None:
+            raise self._error
+        self._left[region] -= 1
+        if self._left[region]:
+            return self._ready[region]
+        self._batches[b].left -= 1
+        if not self._batches[b].left:
+            self._taken += 1
+            self._cond.notify_all()
+        return self._ready.pop(region)
+
+    def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
+        return _copy(dst, weight.view.of(self.take(weight.region), weight.region.sizes))
+
+    def replay(self, copies: list[Copy]) -> None:
+        """Do the recorded copies: in batch order where no two destinations overlap, else in the order recorded."""
+        if not _overlapping([c.dst for c in copies]):
+            copies = sorted(copies, key=lambda c: self._batch_of[c.region])
+        for c in copies:
+            _copy(c.dst, c.view.of(self.take(c.region), c.region.sizes))
+
+
+class _Stopped(Exception):
+    """The serving was left before the reader finished."""
+
+
+@contextmanager
+def _exchange(batches: list[_Batch], size: int, device: str, timeout_s: float) -> Iterator[None]:
+    """One Exchange of the node's processes for all the batches (its rendezvous at the node's first process)."""
+    with ExitStack() as stack:
+        if batches:
+            first = batches[0].node
+            ex = stack.enter_context(Exchange(collective_backend(device), first.local, size, first.address, timeout_s,
+                                              device))
+            for b in batches:
+                b.node.exchange = ex
+        yield
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src), unless src is dst itself (read in place)."""
+    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride() or src.shape != dst.shape \
+            or src.dtype != dst.dtype:
+        dst.copy_(src)
+    return dst
+
+
+def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
+    """Indices of the tensors whose memory overlaps another's."""
+    spans = sorted((extent(t), i) for i, t in enumerate(tensors) if t.numel())
+    hit: set[int] = set()
+    for ((k1, _, e1), i), ((k2, s2, _), j) in zip(spans, spans[1:]):
+        if k1 == k2 and s2 < e1:
+            hit |= {i, j}
+    return hit
+
+
+def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Tensor]:
+    """The regions a replay can read straight into a destination: the first copy of each region whose
+    destination holds the box's bytes in their order (contiguous, its dtype, on `device`) and overlaps no
+    other destination. {region: the destination viewed with the box's sizes}."""
+    shared = _overlapping([c.dst for c in copies])
+    out: dict[Region, torch.Tensor] = {}
+    for i, c in enumerate(copies):
+        stored = torch_dtype(c.region.tensor.dtype)
+        if c.region in out or i in shared or itemsize(c.region.tensor.dtype) is None or not c.view.in_order:
+            continue
+        d = c.dst
+        if (c.view.dtype or stored) == stored == d.dtype and c.view.device in (None, d.device) and \
+                d.device == device and d.is_contiguous() and d.numel() == prod(c.region.sizes):
+            out[c.region] = d.view(c.region.sizes)
+    return out
+
+
+def wanted(copies: list[Copy], opaque: dict[Region, int] | None = None) -> dict[Region, int]:
+    """Region -> takes, of a replay of `copies` (and of a second run that also takes `opaque` again)."""
+    out: dict[Region, int] = {}
+    for c in copies:
+        out[c.region] = out.get(c.region, 0) + 1
+    for r, n in (opaque or {}).items():
+        out[r] = out.get(r, 0) + n
+    return out
