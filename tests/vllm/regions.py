@@ -3,7 +3,7 @@ vLLM's own weight loaders take on each tensor-parallel rank, for several checkpo
 
 An engine is started on the first checkpoint; then each of its workers builds, for every checkpoint in turn, vLLM's
 model of it and runs the model's `load_weights` over raylazy's recording lazy weights (raylazy.integrations.lazy),
-which read nothing and note each region a weight loader takes. Prints one line, `RESULT` and JSON: per checkpoint,
+which read nothing for what they can follow and note each region a weight loader copies or uses. Prints one line, `RESULT` and JSON: per checkpoint,
 per rank, {tensor: [[starts, sizes, opaque], ...]} (opaque: an op the recording cannot follow took it), or the
 error building or loading the model raised.
 """
@@ -23,7 +23,8 @@ def record(worker, dirs: list[str], tp: int) -> dict:
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from raylazy.integrations.lazy import Recording, lazy_weights
+    from raylazy.integrations.lazy import LazyOptions, Recording, lazy_weights
+    from raylazy.integrations.serving import Reads
     from raylazy.storage import open_checkpoint
 
     serving = worker.vllm_config
@@ -37,10 +38,13 @@ def record(worker, dirs: list[str], tp: int) -> dict:
             loader = get_model_loader(LoadConfig(load_format="dummy"))
             with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
                 model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
-                recording = Recording()
-                model.load_weights(lazy_weights(open_checkpoint(d), recording))
+                ckpt = open_checkpoint(d)
+                with Reads(ckpt, LazyOptions()) as reads:  # reads only what an op it cannot follow uses
+                    recording = Recording(reads.read_alone)
+                    with recording.watching():
+                        model.load_weights(lazy_weights(ckpt, recording))
             regions: dict[str, list] = {}
-            for region in recording.takes:
+            for region in dict.fromkeys([c.region for c in recording.copies] + list(recording.opaque)):
                 regions.setdefault(region.tensor.name, []).append(
                     [list(region.starts), list(region.sizes), region in recording.opaque])
             out[d] = regions
