@@ -3,8 +3,8 @@
 vLLM pins torch and transformers of its own, so it runs in a virtualenv of its own, built on first use and cached
 in ~/.cache/raylazy (a few minutes). Where it cannot be built the tests fail, unless RAYLAZY_NO_PACKAGE_INDEX=1
 says this environment has no package index (then they skip, saying why). One subprocess (tests/vllm/engines.py)
-starts the engines in turn: raylazy's on dense models at tp=1 and tp=2 (greedy tokens equal to transformers'
-`generate`, and for the Llama at tp=1 to an engine on vLLM's default loader), raylazy's on mixtures of experts at tp=2
+starts the engines in turn: raylazy's on dense models at tp=2 and the Llama at tp=1 (greedy tokens equal to
+transformers' `generate`, and the Llama's at tp=1 to an engine on vLLM's default loader), raylazy's on mixtures of experts at tp=2
 (Mixtral's experts per expert, Qwen3-MoE's fused on disk, DeepSeek-V3's with MLA and a shared expert), and at
 tp=2 x pp=2 with expert parallelism (loaded only: vLLM's CPU build cannot generate there with any loader).
 
@@ -126,7 +126,7 @@ def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
           "bind": bind[4], "checks": CHECKS}
     s3 = {"model": s3_model, "format": "raylazy", "tp": 2, "bind": bind[2],
           "checks": [{"name": "raylazy", "format": "raylazy"}]}
-    return (runs(MODELS, ("raylazy",), 1, CHECKS) + runs(MODELS[:1], ("auto",), 1, [])
+    return (runs(MODELS[:1], ("raylazy", "auto"), 1, CHECKS)
             + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [{"name": "peer", "format": "raylazy+peer"}])
             + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
 
@@ -207,8 +207,11 @@ def _check_bytes(result: dict, model_dir: str, check: str = "ranged") -> None:
         assert need <= c["rchar"] <= 1.05 * need + meta, (rank, need, c["rchar"], meta)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("model", MODELS)
+#: The engines of dense models: every one at tp=2, the Llama alone at tp=1 (one worker, reading alone).
+DENSE = [(MODELS[0], 1)] + [(m, 2) for m in MODELS]
+
+
+@pytest.mark.parametrize("model, tp", DENSE)
 def test_greedy_tokens_and_weights_match_vllm_and_transformers(engines, vllm_models, model, tp):
     """Greedy tokens equal transformers' (and for the Llama at tp=1 those of an engine on vLLM's default loader);
     each worker's weights are the default loader's, bit for bit, which makes the engine the default loader's."""
@@ -230,7 +233,7 @@ def test_mixtures_of_experts_load_as_vllm_loads_them(engines, vllm_models, model
         assert result["tokens"] == _hf_greedy(vllm_models[model])
 
 
-@pytest.mark.parametrize("model, tp", [(m, 1) for m in MODELS] + [(m, 2) for m in MODELS + MOE] + [("vllm-qwen3moe", 4)])
+@pytest.mark.parametrize("model, tp", DENSE + [(m, 2) for m in MOE] + [("vllm-qwen3moe", 4)])
 def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
     """Measured: with backend="ranged", each rank's read calls return its need, at most 1.05 x (experts read as
     slices: their tp part without expert parallelism, its own experts whole with it; a pipeline stage only its
