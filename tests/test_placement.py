@@ -95,7 +95,8 @@ def test_a_request_that_can_never_be_placed_fails_at_once(llama_dir, ray_local, 
 
 @pytest.mark.slow
 def test_embedded_default_loads_any_tp_on_two_cores(tmp_path):
-    """`raylazy load --tp 4` with no cluster: raylazy's own local Ray shares its 2 CPUs among 4 ranks."""
+    """The README's quick start, `raylazy load --tp 4` with no cluster: raylazy's own local Ray shares 2 CPUs among
+    4 ranks."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # raylazy then starts a Ray of its own
     run = subprocess.run([sys.executable, "-m", "raylazy.cli", "load", "--tp", "4", "--no-progress"], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=400)
