@@ -422,7 +422,7 @@ class LazyWeight:
     def materialize(self) -> torch.Tensor:
         """The weight as a tensor (for an op raylazy cannot follow: its region is read as far as narrowed)."""
         if self._data is None:
-            self._data = self.view.of(self.run.take(self.region, opaque=True), self.region.sizes)
+            self._data = self.view.of(self.run.take(self.region), self.region.sizes)
         return self._data
 
     def __getattr__(self, name: str):
@@ -506,7 +506,7 @@ class Recording:
     def replayable(self) -> bool:
         return not self.why_not_replayable
 
-    def take(self, region: Region, opaque: bool = True) -> torch.Tensor:
+    def take(self, region: Region) -> torch.Tensor:
         self.opaque[region] = self.opaque.get(region, 0) + 1
         return self.read_now(region)
 

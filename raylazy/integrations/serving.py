@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -266,19 +267,17 @@ class Serving:
         requested = self.options.reader.backend
         budget = self.options.batch_bytes if requested != "fastsafetensors" else float("inf")
         if group is None or group.size < 2 or requested not in ("auto", *NODE_BACKENDS):
-            cuts = batch_cuts([self._held()], budget)
-            return solo_backend(requested), [_Batch(b[0], None, len(b[0])) for b in cuts], nullcontext()
-        index = {t.name: i for i, (_, t) in enumerate(self.reads.ckpt.tensors())}
+            return self._alone(solo_backend(requested), budget)
+        tensors = list(self.reads.ckpt.tensors())
+        index = {t.name: i for i, (_, t) in enumerate(tensors)}
         me = _Peer(node_key(), node_address("127.0.0.1"), uuid.uuid4().hex,
                    [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
         peers = group.all_gather(me)
         node = [i for i, p in enumerate(peers) if p.node == me.node]
         backend = backend_for(requested, len(node), self.device, self.reads.files)
         if backend not in NODE_BACKENDS:
-            cuts = batch_cuts([self._held()], budget)
-            return backend, [_Batch(b[0], None, len(b[0])) for b in cuts], nullcontext()
+            return self._alone(backend, budget)
         self.stats.node_processes = len(node)
-        tensors = list(self.reads.ckpt.tensors())
         wants = [{Region(*tensors[i], starts, sizes): held for i, starts, sizes, held in peers[p].wants} for p in node]
         first = peers[node[0]]
         batches = [self._node_batch(cut, node.index(group.rank), first.load_id, b, first.address)
@@ -286,6 +285,10 @@ class Serving:
         session = _exchange(batches, len(node), self.device, self.options.reader.stripe_timeout_s) \
             if backend == "exchange" else nullcontext()
         return backend, batches, session
+
+    def _alone(self, backend: str, budget: float) -> tuple[str, list[_Batch], object]:
+        """This process reading its own regions with `backend`, in batches of `budget` held bytes."""
+        return backend, [_Batch(b[0], None, len(b[0])) for b in batch_cuts([self._held()], budget)], nullcontext()
 
     def _node_batch(self, cut: list[list[Region]], local: int, load_id: str, b: int, address: str) -> _Batch:
         """Batch `b` as local process `local` reads it with the node: every process's plan, the node's schedule."""
@@ -333,7 +336,7 @@ class Serving:
                 self._error = e
                 self._cond.notify_all()
 
-    def take(self, region: Region, opaque: bool = False) -> torch.Tensor:
+    def take(self, region: Region) -> torch.Tensor:
         """The region's box (waits for its batch); a region not wanted is read on its own, at once, and counted."""
         with self._cond:
             if self._left.get(region):
@@ -425,9 +428,4 @@ def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Ten
 
 def wanted(copies: list[Copy], opaque: dict[Region, int] | None = None) -> dict[Region, int]:
     """Region -> takes, of a replay of `copies` (and of a second run that also takes `opaque` again)."""
-    out: dict[Region, int] = {}
-    for c in copies:
-        out[c.region] = out.get(c.region, 0) + 1
-    for r, n in (opaque or {}).items():
-        out[r] = out.get(r, 0) + n
-    return out
+    return dict(Counter(c.region for c in copies) + Counter(opaque or {}))

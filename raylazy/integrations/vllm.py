@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import time
 
 import torch
 from vllm.config import ModelConfig
@@ -29,6 +28,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..core.checkpoint import Checkpoint
 from ..core.plans import format_bytes
+from ..io.stats import Meter
 from ..storage import open_checkpoint
 from .lazy import LazyOptions, Recording, lazy_options, lazy_weights
 from .serving import LazyStats, NodeGroup, Reads, Serving, in_place, wanted
@@ -88,7 +88,7 @@ class RaylazyModelLoader(BaseModelLoader):
         _checkpoint(model_config, self.options)
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        t0, rchar0 = time.perf_counter(), _rchar()
+        meter = Meter()
         ckpt = _checkpoint(model_config, self.options)
         device = next(model.parameters()).device
         with self.reads(ckpt) as reads:
@@ -109,9 +109,9 @@ class RaylazyModelLoader(BaseModelLoader):
         s.opaque_regions, s.opaque_bytes = len(recording.opaque), sum(r.nbytes for r in recording.opaque)
         s.whole_opaque = sum(r.sizes == r.tensor.shape for r in recording.opaque)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        rchar = None if rchar0 is None else _rchar() - rchar0
+        seconds, rchar = meter.elapsed()
         logger.info(_summary(_rank(), s, ckpt, params, "replay" if replay else "rerun",
-                             recording.why_not_replayable, rchar, time.perf_counter() - t0))
+                             recording.why_not_replayable, rchar, seconds))
         if model_config.quantization is None and loaded is not None:
             # the check vLLM's default loader makes: every parameter was loaded from the checkpoint
             DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded)
@@ -158,15 +158,6 @@ def _workers() -> NodeGroup | None:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _rchar() -> int | None:
-    """This process's rchar (/proc/self/io: the bytes its read system calls returned), None where absent."""
-    try:
-        with open("/proc/self/io", "rb") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(b"rchar:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def _summary(rank: int, s: LazyStats, ckpt: Checkpoint, params: int, mode: str, why: str, rchar: int | None,

@@ -74,17 +74,21 @@ def proc_rchar() -> tuple[int, int] | None:
 
 
 class Meter:
-    """Measures one read from its creation to `stop(stats)`, which fills `stats.seconds` and `stats.rchar`."""
+    """Measures one read from its creation: `elapsed()`, or `stop(stats)`, which fills `stats.seconds` and
+    `stats.rchar`."""
 
     def __init__(self):
         first = proc_rchar()
         self.rchar = None if first is None else sum(first)  # this first reading's own bytes are not the read's
         self.start = time.perf_counter()
 
+    def elapsed(self) -> tuple[float, int | None]:
+        """(seconds, rchar bytes) since the meter was made."""
+        seconds, now = time.perf_counter() - self.start, proc_rchar()
+        return seconds, None if now is None or self.rchar is None else now[0] - self.rchar
+
     def stop(self, stats: ReadStats) -> ReadStats:
-        stats.seconds = time.perf_counter() - self.start
-        now = proc_rchar()
-        stats.rchar = None if now is None or self.rchar is None else now[0] - self.rchar
+        stats.seconds, stats.rchar = self.elapsed()
         return stats
 
 
