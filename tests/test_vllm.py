@@ -15,6 +15,11 @@ and the worker's own /proc/self/io around the loader's `load_weights`: with `bac
 calls must return at most 1.05 x its need (its parameters' elements in the checkpoint's dtype) beyond the
 checkpoint's headers and index (checked twice: when planned and before reading). A rank fed its neighbour's
 bytes (tests/vllm/peer_loader.py, a broken loader of the tests' own) must fail the weight check.
+
+What vLLM's CPU build can run differs with the CPU (docs/testing.md, "What depends on the CPU"): an engine that
+fails is that run's outcome, not the session's; where vLLM's default loader fails the same engine too (a probe,
+started only then), the tests that need vLLM's serving path skip with vLLM's error and the weight checks still
+run; where it does not, raylazy's engine failed and its tests fail. FAULTS shows both on faults of its own.
 """
 
 from __future__ import annotations
@@ -113,8 +118,18 @@ def vllm_s3(s3, vllm_models) -> str:
     return s3.upload_dir(vllm_models[S3_MODEL], "vllm", S3_MODEL)
 
 
+#: Faults the suite feeds its own harness, to show that an engine which fails fails only its own tests (each a
+#: run of tests/vllm/engines.py; `model` is filled in). "crash": the engines' process dies as the run starts;
+#: "rejected": a setting vLLM refuses on any CPU (a context longer than the model's), so the engine cannot start;
+#: "broken": every worker's model runner raises the error vLLM's CPU attention raises for a kernel it lacks on
+#: some CPUs (multi-head latent attention on some AMD EPYCs), so the engine starts, loads and cannot generate.
+FAULTS = {"crash": {"crash": True}, "rejected": {"engine": {"max_model_len": 1 << 20}},
+          "broken": {"fail": "Unsupported block size: 16"}}
+
+
 def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
-    """Every engine the tests start, in turn (tests/vllm/engines.py)."""
+    """Every engine the tests start, in turn (tests/vllm/engines.py): the faults first, so that every other engine
+    starts after them."""
     cpus = os.cpu_count() or 1
     bind = {1: "", 2: f"0|{1 % cpus}", 4: f"0|{1 % cpus}|0|{1 % cpus}"}  # workers' CPUs: 2 cores here
 
@@ -122,42 +137,101 @@ def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
         return [{"model": models[m], "format": f, "tp": tp, "dtype": DTYPE.get(m, "float32"), "bind": bind[tp],
                  "checks": checks if f == "raylazy" else []} for m in ms for f in fmts]
 
+    faults = [{"model": models["vllm-llama"], "format": "raylazy", "tp": 1, "bind": "", "fault": name,
+               "checks": CHECKS[:2], **fault} for name, fault in FAULTS.items()]
     pp = {"model": models["vllm-qwen3moe"], "format": "raylazy", "tp": 2, "pp": 2, "ep": True, "generate": False,
           "bind": bind[4], "checks": CHECKS}
     s3 = {"model": s3_model, "format": "raylazy", "tp": 2, "bind": bind[2],
           "checks": [{"name": "raylazy", "format": "raylazy"}]}
-    return (runs(MODELS[:1], ("raylazy", "auto"), 1, CHECKS)
+    return (faults + runs(MODELS[:1], ("raylazy", "auto"), 1, CHECKS)
             + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [{"name": "peer", "format": "raylazy+peer"}])
             + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
 
 
+def _start(python: str, runs: list[dict], env: dict) -> list[dict]:
+    """The result of each run (tests/vllm/engines.py), with `lines`: the numbers of the loader's log lines of the
+    engine's own load, one per rank, in rank order. A process that dies (or hangs) is reported against the run it
+    was in, as an error of stage "crash", and a new one starts with the runs after."""
+    results: list[dict] = []
+    while len(results) < len(runs):
+        rest = runs[len(results):]
+        try:
+            out = subprocess.run([python, str(REPO / "tests" / "vllm" / "engines.py"), "--runs", json.dumps(rest),
+                                  "--prompts", json.dumps(PROMPTS), "--max-tokens", str(MAX_TOKENS)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                 timeout=2300).stdout
+            why = "the engines' process exited"
+        except subprocess.TimeoutExpired as e:
+            out, why = (e.stdout or b"").decode(errors="replace"), "the engines' process hung (killed after 2300 s)"
+        got, lines, own = [], [], []
+        for line in out.splitlines():
+            if line.startswith("READY "):
+                own = sorted(lines, key=lambda s: s["rank"])
+            elif line.startswith("RESULT "):
+                got.append(json.loads(line[len("RESULT "):]) | {"lines": own})
+                lines, own = [], []
+            elif "raylazy: rank" in line:
+                fields = re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]"))
+                lines.append({k: int(v) if v.isdigit() else v for k, v in fields})
+        results += got
+        if len(results) < len(runs):
+            results.append({"spec": runs[len(results)], "tokens": None, "checks": {}, "check_errors": {},
+                            "lines": [], "error": {"stage": "crash", "message": f"{why}: {out[-3000:]}"}})
+    return results
+
+
 @pytest.fixture(scope="session")
 def engines(vllm_python, vllm_models, s3, vllm_s3) -> dict:
-    """{(model, format, tp x pp): result} of every engine, with `lines`: the numbers of the loader's log lines of
-    the engine's own load, one per rank, in rank order. All of them run in one subprocess, once per session."""
+    """{(model, format, tp x pp): result} of every engine (and {fault name: result} of the faults), all run in one
+    subprocess, once per session. A raylazy engine that failed to start or to generate gets `probe`: the result of
+    the same engine on vLLM's default loader, the oracle of whether vLLM itself can run that model here."""
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # the checks are functions sent to the workers
                VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",  # vLLM's CPU workers never leave in its default 5 s
                **s3.environment())
-    done = subprocess.run([vllm_python, str(REPO / "tests" / "vllm" / "engines.py"), "--runs",
-                           json.dumps(_runs(vllm_models, vllm_s3)), "--prompts", json.dumps(PROMPTS), "--max-tokens",
-                           str(MAX_TOKENS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          timeout=2300)
-    assert done.returncode == 0, done.stdout[-6000:]
+    results = _start(vllm_python, _runs(vllm_models, vllm_s3), env)
+    failed = [r for r in results if r["spec"]["format"] == "raylazy" and r["error"] and r["error"]["stage"] != "crash"]
+    probes = _start(vllm_python, [r["spec"] | {"format": "auto", "checks": []} for r in failed], env)
+    for result, probe in zip(failed, probes):
+        result["probe"] = probe
     name_of = {path: m for m, path in vllm_models.items()} | {vllm_s3: "s3"}
-    out, lines = {}, []
-    for line in done.stdout.splitlines():
-        if line.startswith("READY "):
-            own = sorted(lines, key=lambda s: s["rank"])
-        elif line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-            result["lines"], lines = own, []
-            spec = result["spec"]
-            out[(name_of[spec["model"]], spec["format"], spec["tp"] * spec.get("pp", 1))] = result
-        elif "raylazy: rank" in line:
-            fields = re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]"))
-            lines.append({k: int(v) if v.isdigit() else v for k, v in fields})
+    out = {}
+    for result in results:
+        spec = result["spec"]
+        key = spec.get("fault") or (name_of[spec["model"]], spec["format"], spec["tp"] * spec.get("pp", 1))
+        out[key] = result
     return out
+
+
+def _loaded(engines: dict, key) -> dict:
+    """The engine's result once it started and every check loaded: what raylazy owns. Skips where vLLM's default
+    loader cannot start the same engine on this CPU either (its error is the reason); fails otherwise."""
+    result = engines[key]
+    if result["error"] and result["error"]["stage"] in ("start", "crash"):
+        _vllm_cannot(result, key)
+    assert not result["check_errors"], (key, result["check_errors"])
+    return result
+
+
+def _tokens(engines: dict, key) -> list[list[int]]:
+    """The engine's greedy tokens. Skips where vLLM's default loader cannot generate with the same engine on this
+    CPU either (what vLLM's CPU build supports differs with the CPU); fails where only raylazy's engine failed."""
+    result = _loaded(engines, key)
+    if result["error"]:
+        _vllm_cannot(result, key)
+    return result["tokens"]
+
+
+def _vllm_cannot(result: dict, key) -> None:
+    """Skips, with vLLM's own error, if the probe (the same engine on vLLM's default loader) failed too; an engine
+    on the default loader is its own probe."""
+    error = result["error"]
+    probe = result if result["spec"]["format"] == "auto" else result.get("probe")
+    if probe and probe["error"]:
+        pytest.skip(f"vLLM's default loader cannot run {key} on this CPU either ({probe['error']['stage']}: "
+                    f"{probe['error']['message'][-500:]})")
+    also = "; vLLM's default loader runs the same engine" if probe else ""
+    pytest.fail(f"{key} failed ({error['stage']}): {error['message'][-3000:]}{also}", pytrace=False)
 
 
 @functools.cache
@@ -212,25 +286,36 @@ DENSE = [(MODELS[0], 1)] + [(m, 2) for m in MODELS]
 
 
 @pytest.mark.parametrize("model, tp", DENSE)
-def test_greedy_tokens_and_weights_match_vllm_and_transformers(engines, vllm_models, model, tp):
-    """Greedy tokens equal transformers' (and for the Llama at tp=1 those of an engine on vLLM's default loader);
-    each worker's weights are the default loader's, bit for bit, which makes the engine the default loader's."""
-    ours = engines[(model, "raylazy", tp)]
-    assert ours["tokens"] == _hf_greedy(vllm_models[model])
+def test_weights_match_vllms_default_loader(engines, model, tp):
+    """Each worker's weights are the default loader's, bit for bit, which makes the engine the default loader's."""
+    _same_weights(_loaded(engines, (model, "raylazy", tp))["checks"], "raylazy", tp)
+
+
+@pytest.mark.parametrize("model, tp", DENSE)
+def test_greedy_tokens_match_vllm_and_transformers(engines, vllm_models, model, tp):
+    """Greedy tokens equal transformers' (and for the Llama at tp=1 those of an engine on vLLM's default loader)."""
+    tokens = _tokens(engines, (model, "raylazy", tp))
+    assert tokens == _hf_greedy(vllm_models[model])
     if (model, "auto", tp) in engines:
-        assert ours["tokens"] == engines[(model, "auto", tp)]["tokens"]
-    _same_weights(ours["checks"], "raylazy", tp)
+        assert tokens == _tokens(engines, (model, "auto", tp))
 
 
 @pytest.mark.parametrize("model", MOE)
-def test_mixtures_of_experts_load_as_vllm_loads_them(engines, vllm_models, model):
-    """tp=2: every rank's weights as vLLM's default loader's, read together with the node or alone; greedy tokens
-    equal transformers' (in float32; DeepSeek's bfloat16 engine is checked by its weights)."""
-    result = engines[(model, "raylazy", 2)]
+def test_mixtures_of_experts_load_as_vllm_loads_them(engines, model):
+    """tp=2: every rank's weights as vLLM's default loader's, read together with the node or alone."""
+    result = _loaded(engines, (model, "raylazy", 2))
     for name in ("raylazy", "ranged", "exchange", "rerun"):
         _same_weights(result["checks"], name, 2)
+
+
+@pytest.mark.parametrize("model", MOE)
+def test_mixtures_of_experts_generate(engines, vllm_models, model):
+    """tp=2: the engine generates, and its greedy tokens equal transformers' (in float32; DeepSeek's bfloat16
+    engine only generates: its tokens are checked by its weights)."""
+    tokens = _tokens(engines, (model, "raylazy", 2))
+    assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
     if model not in DTYPE:
-        assert result["tokens"] == _hf_greedy(vllm_models[model])
+        assert tokens == _hf_greedy(vllm_models[model])
 
 
 @pytest.mark.parametrize("model, tp", DENSE + [(m, 2) for m in MOE] + [("vllm-qwen3moe", 4)])
@@ -240,7 +325,7 @@ def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
     layers: tp=4 is tp=2 x pp=2 with expert parallelism), and each weight loader's use of every region was
     followed: the engine's own load replayed its recording, with no region read at once for an op raylazy
     cannot follow."""
-    result = engines[(model, "raylazy", tp)]
+    result = _loaded(engines, (model, "raylazy", tp))
     assert [c["line"]["backend"] for c in result["checks"]["ranged"]] == ["ranged"] * tp
     _check_bytes(result, vllm_models[model])
     if tp > 1:
@@ -253,7 +338,7 @@ def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
 def test_expert_and_pipeline_parallel_weights_match_vllm(engines):
     """tp=2 x pp=2 with expert parallelism (Qwen3-MoE, experts fused on disk): every rank's weights as vLLM's
     default loader's (each stage's layers, each rank's experts)."""
-    result = engines[("vllm-qwen3moe", "raylazy", 4)]
+    result = _loaded(engines, ("vllm-qwen3moe", "raylazy", 4))
     for name in ("raylazy", "ranged"):
         _same_weights(result["checks"], name, 4)
 
@@ -266,10 +351,9 @@ def test_a_model_in_object_storage_loads_from_the_store(engines, vllm_models, s3
     engine's load and its check's (two loads): each fetched the files' bytes at most once (a tp=2 node's union
     is the whole checkpoint, read in stripes from each file's start), beside each worker's first GET of every
     file for its header."""
-    result = engines[("s3", "raylazy", 2)]
+    result = _loaded(engines, ("s3", "raylazy", 2))
     _same_weights({"raylazy": result["checks"]["raylazy"],
-                   "auto": engines[(S3_MODEL, "raylazy", 2)]["checks"]["auto"]}, "raylazy", 2)
-    assert result["tokens"] == _hf_greedy(vllm_models[S3_MODEL])
+                   "auto": _loaded(engines, (S3_MODEL, "raylazy", 2))["checks"]["auto"]}, "raylazy", 2)
     assert [(s["backend"], s["node_processes"]) for s in result["lines"]] == [("exchange", 2)] * 2
     files = glob.glob(os.path.join(vllm_models[S3_MODEL], "*.safetensors"))
     first_gets = 2 * sum(min(os.path.getsize(f), HEAD_BYTES) for f in files)  # two workers
@@ -277,6 +361,7 @@ def test_a_model_in_object_storage_loads_from_the_store(engines, vllm_models, s3
                   if r.path.endswith(".safetensors"))
     data, size = _data_bytes(vllm_models[S3_MODEL]), sum(os.path.getsize(f) for f in files)
     assert 2 * data <= fetched <= 2 * (size + first_gets), (fetched, data, size, first_gets)
+    assert _tokens(engines, ("s3", "raylazy", 2)) == _hf_greedy(vllm_models[S3_MODEL])
 
 
 @pytest.mark.parametrize("model", MODELS + MOE)
@@ -286,7 +371,7 @@ def test_a_node_reads_together(engines, vllm_models, model):
     reads a share of the node's union once and sends the other its bytes (over gloo here, as over NCCL on GPUs):
     measured, the workers' read calls together return the checkpoint's data once, however much of it both
     need (DeepSeek's replicated latent projections: more than 1.1 x the data)."""
-    result = engines[(model, "raylazy", 2)]
+    result = _loaded(engines, (model, "raylazy", 2))
     meta, data = _metadata_bytes(vllm_models[model]) + 4096, _data_bytes(vllm_models[model])
     coop = result["checks"]["raylazy"]
     assert [c["line"]["backend"] for c in coop] == ["cooperative"] * 2
@@ -303,7 +388,7 @@ def test_a_node_reads_together(engines, vllm_models, model):
 def test_a_rank_fed_another_ranks_bytes_fails_the_weight_check(engines, model):
     """The tests' broken loader (tests/vllm/peer_loader.py) feeds rank 0 each region's neighbour: its sharded
     weights differ from vLLM's own loader's (every kind of them), rank 1's do not: the weight check above can fail."""
-    checks = engines[(model, "raylazy", 2)]["checks"]
+    checks = _loaded(engines, (model, "raylazy", 2))["checks"]
     peer, ref = checks["peer"], checks["auto"]
     wrong = [n for n in ref[0]["digests"] if peer[0]["digests"][n] != ref[0]["digests"][n]]
     for kind in ("embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -316,7 +401,7 @@ def test_the_second_run_fallback_loads_the_same_weights(engines):
     """replay=False: the model's load_weights runs a second time over the regions read (the way taken where a
     recording cannot be replayed), and every rank's weights are vLLM's default loader's."""
     for model in MODELS:
-        checks = engines[(model, "raylazy", 2)]["checks"]
+        checks = _loaded(engines, (model, "raylazy", 2))["checks"]
         _same_weights(checks, "rerun", 2)
         assert [c["line"]["mode"] for c in checks["rerun"]] == ["rerun"] * 2
 
@@ -395,4 +480,31 @@ def test_a_ray_worker_finds_the_format_and_takes_its_options_from_engine_kwargs(
     assert (out["load_format"], out["extra"]) == ("raylazy", kwargs["model_loader_extra_config"])
     lines = [line for line in done.stdout.splitlines() if "raylazy: rank" in line]  # the worker's log, via Ray
     assert len(lines) == 1 and "backend=ranged" in lines[0], lines
-    assert out["tokens"] == engines[("vllm-llama", "auto", 1)]["tokens"]
+    assert out["tokens"] == _tokens(engines, ("vllm-llama", "auto", 1))
+
+
+def test_an_engine_that_fails_fails_only_its_own_tests(engines, vllm_models, vllm_s3):
+    """The faults fed to the harness (FAULTS) are each reported against their own run with vLLM's error, and every
+    engine after them starts and has an outcome of its own. Where vLLM's default loader fails the same way (the
+    probe), what raylazy owns is still checked (the weights every worker loaded) and the rest skips, naming vLLM's
+    error; where only raylazy's engine failed, its tests fail."""
+    crash, rejected, broken = (engines[name] for name in FAULTS)
+    assert crash["error"]["stage"] == "crash" and "probe" not in crash
+    with pytest.raises(pytest.fail.Exception, match="crash"):
+        _loaded(engines, "crash")
+    assert rejected["error"]["stage"] == rejected["probe"]["error"]["stage"] == "start"
+    assert "max_model_len" in rejected["error"]["message"], rejected["error"]
+    with pytest.raises(pytest.skip.Exception, match="max_model_len"):
+        _loaded(engines, "rejected")
+    for outcome in (broken, broken["probe"]):
+        assert outcome["error"]["stage"] == "generate" and "Unsupported block size: 16" in outcome["error"]["message"]
+    _same_weights(_loaded(engines, "broken")["checks"], "raylazy", 1)
+    with pytest.raises(pytest.skip.Exception, match="Unsupported block size: 16"):
+        _tokens(engines, "broken")
+    with pytest.raises(pytest.fail.Exception, match="default loader runs the same engine"):
+        _vllm_cannot(broken | {"probe": engines[("vllm-llama", "auto", 1)]}, "broken")
+    others = [r["spec"] for key, r in engines.items() if key not in FAULTS]
+    assert others == _runs(vllm_models, vllm_s3)[len(FAULTS):]  # each run after the faults has its own result
+    assert all(r["error"] is None or r["error"]["stage"] in ("start", "generate")
+               for key, r in engines.items() if key not in FAULTS)
+    assert _tokens(engines, ("vllm-llama", "raylazy", 1))  # the run right after the faults

@@ -13,6 +13,14 @@ sha256 of every parameter, the parameters' elements, and what the worker's proce
 made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), and the
 numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank
 0 is fed its neighbour's bytes (peer_loader.py).
+
+An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start" or "generate",
+"message": vLLM's error}), a check that fails its own in `check_errors`, and the next run starts. The checks
+run before `generate`, so an engine whose generation vLLM cannot run on this CPU still has its weights checked.
+Faults the tests inject to show this: `fail` (a message: each worker's model runner raises it in place of running
+the model, as vLLM's CPU attention does for a kernel it lacks, so the error travels vLLM's own path), `crash`
+(this process dies as the run starts, as in a segfault: the caller restarts it with the runs after) and `engine`
+(LLM keyword arguments over the harness's own: a setting vLLM refuses).
 """
 
 from __future__ import annotations
@@ -91,34 +99,61 @@ def evict(model: str) -> None:
             os.close(fd)
 
 
+def broken(worker, message: str) -> None:
+    """Runs in each worker: its model runner raises `message` where it would run the model (an injected fault)."""
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(message)
+
+    worker.model_runner.execute_model = fail
+
+
+def error(stage: str, e: BaseException) -> dict:
+    return {"stage": stage, "message": f"{type(e).__name__}: {e}"[-2000:]}
+
+
 def run(spec: dict, n: int, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
+    if spec.get("crash"):
+        os._exit(3)
     if spec.get("bind"):  # the workers, started now, take it from the environment
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["bind"]
     else:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    llm = LLM(model=spec["model"], load_format=spec["format"], tensor_parallel_size=spec["tp"],
-              pipeline_parallel_size=spec.get("pp", 1), enable_expert_parallel=spec.get("ep", False),
-              model_loader_extra_config=spec.get("extra", {}), dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True,
-              enforce_eager=True, max_model_len=128, max_num_seqs=len(prompts), seed=0)
+    kwargs = dict(tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec.get("pp", 1),
+                  enable_expert_parallel=spec.get("ep", False), model_loader_extra_config=spec.get("extra", {}),
+                  dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                  max_num_seqs=len(prompts), seed=0)
+    out = {"spec": spec, "tokens": None, "checks": {}, "check_errors": {}, "error": None}
+    try:
+        llm = LLM(model=spec["model"], load_format=spec["format"], **(kwargs | spec.get("engine", {})))
+    except Exception as e:  # noqa: BLE001  (whatever vLLM raises is the run's outcome, reported to the tests)
+        out["error"] = error("start", e)
+        return out
     print(f"READY {n}", flush=True)
     try:
-        tokens = None
-        if spec.get("generate", True):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-        checks = {}
         for check in spec.get("checks", []):
             if check.get("cold"):
                 evict(spec["model"])
-            checks[check["name"]] = llm.collective_rpc(loaded, args=(check["format"], check.get("extra", {})))
+            try:
+                out["checks"][check["name"]] = llm.collective_rpc(loaded, args=(check["format"], check.get("extra", {})))
+            except Exception as e:  # noqa: BLE001  (likewise)
+                out["check_errors"][check["name"]] = error("check", e)
+        if spec.get("fail"):
+            llm.collective_rpc(broken, args=(spec["fail"],))
+        if spec.get("generate", True):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+            try:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+            except Exception as e:  # noqa: BLE001  (likewise)
+                out["error"] = error("generate", e)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    return {"spec": spec, "tokens": tokens, "checks": checks}
+    return out
 
 
 def main() -> None:
@@ -128,6 +163,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     for n, spec in enumerate(json.loads(args.runs)):
+        print(f"START {n}", flush=True)
         result = run(spec, n, json.loads(args.prompts), args.max_tokens)
         print("RESULT " + json.dumps(result), flush=True)
 
