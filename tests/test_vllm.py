@@ -148,11 +148,13 @@ def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
             + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
 
 
-def _start(python: str, runs: list[dict], env: dict) -> list[dict]:
-    """The result of each run (tests/vllm/engines.py), with `lines`: the numbers of the loader's log lines of the
+def _start(python: str, runs: list[dict], env: dict) -> tuple[list[dict], dict | None]:
+    """The result of each run (tests/vllm/engines.py) and what its first process printed of vLLM's plugins
+    (PLUGINS). Each result has `lines`: the numbers of the loader's log lines of the
     engine's own load, one per rank, in rank order. A process that dies (or hangs) is reported against the run it
     was in, as an error of stage "crash", and a new one starts with the runs after."""
     results: list[dict] = []
+    plugins = None
     while len(results) < len(runs):
         rest = runs[len(results):]
         try:
@@ -174,28 +176,26 @@ def _start(python: str, runs: list[dict], env: dict) -> list[dict]:
                 fields = re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]"))
                 lines.append({k: int(v) if v.isdigit() else v for k, v in fields})
         results += got
+        plugins = plugins or next((json.loads(line[len("PLUGINS "):]) for line in out.splitlines()
+                                   if line.startswith("PLUGINS ")), None)
         if len(results) < len(runs):
             results.append({"spec": runs[len(results)], "tokens": None, "checks": {}, "check_errors": {},
                             "lines": [], "error": {"stage": "crash", "message": f"{why}: {out[-3000:]}"}})
-    return results
+    return results, plugins
 
 
 @pytest.fixture(scope="session")
 def engines(vllm_python, vllm_models, s3, vllm_s3) -> dict:
-    """{(model, format, tp x pp): result} of every engine (and {fault name: result} of the faults), all run in one
-    subprocess, once per session. A raylazy engine that failed to start or to generate gets `probe`: the result of
+    """{(model, format, tp x pp): result} of every engine, {fault name: result} of the faults and "plugins", all
+    run in one subprocess, once per session. A raylazy engine that failed to start or to generate has a `probe`: the result of
     the same engine on vLLM's default loader, the oracle of whether vLLM itself can run that model here."""
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # the checks are functions sent to the workers
                VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",  # vLLM's CPU workers never leave in its default 5 s
                **s3.environment())
-    results = _start(vllm_python, _runs(vllm_models, vllm_s3), env)
-    failed = [r for r in results if r["spec"]["format"] == "raylazy" and r["error"] and r["error"]["stage"] != "crash"]
-    probes = _start(vllm_python, [r["spec"] | {"format": "auto", "checks": []} for r in failed], env)
-    for result, probe in zip(failed, probes):
-        result["probe"] = probe
+    results, plugins = _start(vllm_python, _runs(vllm_models, vllm_s3), env)
     name_of = {path: m for m, path in vllm_models.items()} | {vllm_s3: "s3"}
-    out = {}
+    out = {"plugins": plugins}
     for result in results:
         spec = result["spec"]
         key = spec.get("fault") or (name_of[spec["model"]], spec["format"], spec["tp"] * spec.get("pp", 1))
@@ -406,27 +406,11 @@ def test_the_second_run_fallback_loads_the_same_weights(engines):
         assert [c["line"]["mode"] for c in checks["rerun"]] == ["rerun"] * 2
 
 
-def test_the_entry_point_registers_the_format_and_bad_options_are_named(vllm_python):
+def test_the_entry_point_registers_the_format_and_bad_options_are_named(engines):
     """vLLM's own plugin loading finds the entry point; a bad model_loader_extra_config is a ConfigurationError
-    naming the option, raised when vLLM makes the loader."""
-    script = """
-import json
-from vllm.config.load import LoadConfig
-from vllm.model_executor.model_loader import get_model_loader
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-out = {"loader": type(get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config={"threads": 2}))).__name__}
-for extra in ({"threads": 0}, {"bogus": 1}, {"backend": "nvme"}, {"replay": "no"}):
-    try:
-        get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config=extra))
-    except Exception as e:
-        out[json.dumps(extra)] = f"{type(e).__name__}: {e}"
-print("RESULT " + json.dumps(out))
-"""
-    done = subprocess.run([vllm_python, "-c", script], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    naming the option, raised when vLLM makes the loader (tests/vllm/engines.py's `plugins`, in the engines'
+    process before it imports anything of raylazy)."""
+    out = dict(engines["plugins"])
     assert out.pop("loader") == "RaylazyModelLoader"
     assert len(out) == 4  # every bad config raised
     for extra, named in (('{"threads": 0}', "threads=0"), ('{"bogus": 1}', "bogus=1"),
@@ -503,8 +487,7 @@ def test_an_engine_that_fails_fails_only_its_own_tests(engines, vllm_models, vll
         _tokens(engines, "broken")
     with pytest.raises(pytest.fail.Exception, match="default loader runs the same engine"):
         _vllm_cannot(broken | {"probe": engines[("vllm-llama", "auto", 1)]}, "broken")
-    others = [r["spec"] for key, r in engines.items() if key not in FAULTS]
-    assert others == _runs(vllm_models, vllm_s3)[len(FAULTS):]  # each run after the faults has its own result
-    assert all(r["error"] is None or r["error"]["stage"] in ("start", "generate")
-               for key, r in engines.items() if key not in FAULTS)
+    others = [r for key, r in engines.items() if isinstance(key, tuple)]
+    assert [r["spec"] for r in others] == _runs(vllm_models, vllm_s3)[len(FAULTS):]  # each has its own result
+    assert all(r["error"] is None or r["error"]["stage"] in ("start", "generate") for r in others)
     assert _tokens(engines, ("vllm-llama", "raylazy", 1))  # the run right after the faults

@@ -1,6 +1,7 @@
 """Runs inside the vLLM virtualenv (tests/test_vllm.py starts it): starts one vLLM engine per run in turn and
 prints, for each, `READY <n>` once the engine can serve (the loader's log lines of its own load come before it)
-and then one line `RESULT` and JSON: the run, the greedy tokens of each prompt, and its checks.
+and then one line `RESULT` and JSON: the run, the greedy tokens of each prompt, and its checks. Before the
+first run, one line `PLUGINS` and JSON: what vLLM's plugin loading makes of the format (`plugins`).
 
 A run is a JSON object: `model`, `format`, `tp`, `pp` (default 1), `ep` (enable_expert_parallel), `dtype`
 (default float32), `bind` (VLLM_CPU_OMP_THREADS_BIND for its workers; none: vLLM's own), `extra`
@@ -17,6 +18,7 @@ numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer` 
 An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start" or "generate",
 "message": vLLM's error}), a check that fails its own in `check_errors`, and the next run starts. The checks
 run before `generate`, so an engine whose generation vLLM cannot run on this CPU still has its weights checked.
+An engine that failed is started again on vLLM's default loader, its `probe`: whether vLLM itself can run it.
 Faults the tests inject to show this: `fail` (a message: each worker's model runner raises it in place of running
 the model, as vLLM's CPU attention does for a kernel it lacks, so the error travels vLLM's own path), `crash`
 (this process dies as the run starts, as in a segfault: the caller restarts it with the runs after) and `engine`
@@ -112,7 +114,8 @@ def error(stage: str, e: BaseException) -> dict:
     return {"stage": stage, "message": f"{type(e).__name__}: {e}"[-2000:]}
 
 
-def run(spec: dict, n: int, prompts: list[list[int]], max_tokens: int) -> dict:
+def run(spec: dict, prompts: list[list[int]], max_tokens: int, ready: str | None) -> dict:
+    """One engine's run (the module's docstring); `ready` is printed once it can serve."""
     from vllm import LLM, SamplingParams
 
     if spec.get("crash"):
@@ -131,7 +134,8 @@ def run(spec: dict, n: int, prompts: list[list[int]], max_tokens: int) -> dict:
     except Exception as e:  # noqa: BLE001  (whatever vLLM raises is the run's outcome, reported to the tests)
         out["error"] = error("start", e)
         return out
-    print(f"READY {n}", flush=True)
+    if ready:
+        print(ready, flush=True)
     try:
         for check in spec.get("checks", []):
             if check.get("cold"):
@@ -156,15 +160,36 @@ def run(spec: dict, n: int, prompts: list[list[int]], max_tokens: int) -> dict:
     return out
 
 
+def plugins() -> dict:
+    """What vLLM's own plugin loading makes of load_format="raylazy" in a process that has not imported raylazy:
+    the loader's class, and what making it with each bad option raised."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    config = LoadConfig(load_format="raylazy", model_loader_extra_config={"threads": 2})
+    out = {"loader": type(get_model_loader(config)).__name__}
+    for extra in ({"threads": 0}, {"bogus": 1}, {"backend": "nvme"}, {"replay": "no"}):
+        try:
+            get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config=extra))
+        except Exception as e:  # noqa: BLE001  (what it raised is the outcome)
+            out[json.dumps(extra)] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", required=True, help="JSON list of runs (see the module's docstring)")
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
+    prompts = json.loads(args.prompts)
+    print("PLUGINS " + json.dumps(plugins()), flush=True)
     for n, spec in enumerate(json.loads(args.runs)):
-        print(f"START {n}", flush=True)
-        result = run(spec, n, json.loads(args.prompts), args.max_tokens)
+        result = run(spec, prompts, args.max_tokens, ready=f"READY {n}")
+        if result["error"] and spec["format"] != "auto":  # can vLLM's own loader run this engine here?
+            result["probe"] = run(spec | {"format": "auto", "checks": []}, prompts, args.max_tokens, ready=None)
         print("RESULT " + json.dumps(result), flush=True)
 
 
