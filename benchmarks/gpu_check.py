@@ -75,7 +75,8 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
     from benchmarks.loaders.impls import load_raw
     from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import node_schedule
-    from raylazy.io.exchange import ExchangeTask, read_rank_exchanged
+    from raylazy.io.backends import node_read
+    from raylazy.io.exchange import read_rank_exchanged
     from raylazy.io.fst import read_rank_fastsafetensors
     from raylazy.io.ranged import read_rank_ranged
 
@@ -95,8 +96,8 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
         elif loader == "fastsafetensors":
             read_rank_fastsafetensors(rp, device, options=ReaderOptions(backend="fastsafetensors", nogds=tp > 1 or None))
         else:
-            task = ExchangeTask.of(plan, node_schedule(plan, range(tp), "node"), address)
-            read_rank_exchanged(rp, device, node=task)
+            task = node_read("exchange", plan, node_schedule(plan, range(tp), "node"), "", address)
+            read_rank_exchanged(rp, device, node_read=task)
         if not cpu:
             torch.cuda.synchronize(device)
         results.put((rank, time.perf_counter() - t0, ""))

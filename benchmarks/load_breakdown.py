@@ -7,9 +7,9 @@ Each variant runs in its own process with its own local Ray (`ray.init` is timed
 loads every tp `--runs` times from a cold cache, one `raylazy.load` (new placement group, new
 actors) each. Wall-clock timestamps, in seconds from the `raylazy.load` call:
 
-- on the driver, by wrapping (at run time, in this process only) the steps `raylazy.cluster.loader`
-  calls: `RankGroup.create` (placement group and actors submitted), `make_plan` (headers read),
-  `RankGroup.wait_ready` (group placed, every actor constructed), `reading.wait_with_progress` (loads);
+- on the driver, by wrapping (at run time, in this process only) the steps of `raylazy.cluster.loading.Load`:
+  `RankGroup.create` (placement group and actors submitted), `make_plan` (headers read),
+  `Load._ready` (group placed, every actor constructed), `Load._wait_reads` (loads);
 - in each actor, through a `RankLoader` subclass passed as `actor_cls`: its process's start,
   entering `__init__` (worker booted, class unpickled), torch imported (`RankLoader.__init__`
   done), and its `load`.
@@ -54,9 +54,9 @@ class TimedRankLoader(RankLoader):
         self.times_ = {"proc_start": psutil.Process().create_time(), "init_enter": entered,
                        "torch_imported": time.time(), "torch_before": torch_before}
 
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         start = time.time()
-        stats = super().load(plan, options, node)
+        stats = super().load(plan, options, node_read)
         self.times_.update(load_start=start, load_end=time.time())
         return stats
 
@@ -84,13 +84,13 @@ def child(variant: str, tps: list[int], runs: int, model_dir: str) -> None:
     import ray
 
     import raylazy
-    import raylazy.cluster.loader as loader
-    import raylazy.cluster.reading as reading
+    import raylazy.cluster.loading as loading
     from benchmarks.load_breakdown import TimedRankLoader as actor_cls  # by reference: not __main__'s copy
     from benchmarks.loaders.__main__ import gate
     from benchmarks.loaders.checkpoint import checkpoint_files
     from benchmarks.loaders.pagecache import evict
     from raylazy.cluster.group import RankGroup
+    from raylazy.cluster.loading import Load
 
     imported = time.time() - t0
     if variant == "by-value":
@@ -106,9 +106,9 @@ def child(variant: str, tps: list[int], runs: int, model_dir: str) -> None:
     print(json.dumps({"variant": variant, "import_s": imported, "ray_init_s": time.time() - t}), flush=True)
     marks: dict = {}
     _timed(RankGroup, "create", marks, "create")
-    _timed(RankGroup, "wait_ready", marks, "ready")
-    _timed(loader, "make_plan", marks, "plan")
-    _timed(reading, "wait_with_progress", marks, "loads")
+    _timed(Load, "_ready", marks, "ready")
+    _timed(loading, "make_plan", marks, "plan")
+    _timed(Load, "_wait_reads", marks, "loads")
 
     @ray.remote(num_cpus=1)
     def noop() -> int:

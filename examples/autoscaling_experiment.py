@@ -170,9 +170,9 @@ class TimedRankLoader(RankLoader):
         self.ready_at = time.time()    # torch imported, device resolved
         self.read_span = (None, None)
 
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         start = time.time()
-        stats = super().load(plan, options, node)
+        stats = super().load(plan, options, node_read)
         self.read_span = (start, time.time())
         return stats
 

@@ -33,8 +33,9 @@ from raytest import check_loaded, check_ranks
 
 import raylazy
 from raylazy.core.options import ReaderOptions
-from raylazy.core.schedule import NodeTask, with_node_schedules
+from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import FileChangedError, RankFailedError, ReadError
+from raylazy.io.backends import node_read
 from raylazy.io.cooperative import read_rank_cooperative, shm_dir
 from raylazy.planning import make_plan
 
@@ -52,7 +53,7 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
             out = {t.name: torch.empty(shard_layout(t)[1], dtype=shard_layout(t)[0]) for t in rp.tensors}
         log = SyscallLog().install()
         before = proc_io()
-        shards, stats = read_rank_cooperative(rp, "cpu", node=task, options=options, out=out or None)
+        shards, stats = read_rank_cooperative(rp, "cpu", node_read=task, options=options, out=out or None)
         seen = {"io": io_delta(before, proc_io()), "preadv": log.preadv, "pread": log.pread, "populated": log.populated}
         same = all(shards[n] is out[n] for n in out)
         sent = {n: (t.dtype, tuple(t.shape), as_bytes(t)) for n, t in shards.items()}  # plain bytes: no fd passing
@@ -69,7 +70,7 @@ def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120,
     """Run every rank of every scheduled node of `plan` (or only `ranks`) as its own process, all at once;
     rank -> (shards, stats, same, seen: what its process was measured reading) or error."""
     queue, load_id = _FORK.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
-    procs = [_FORK.Process(target=_rank, args=(rp, NodeTask(load_id, plan.node_of(rp.rank)), options, queue,
+    procs = [_FORK.Process(target=_rank, args=(rp, node_read("cooperative", plan, plan.node_of(rp.rank), load_id), options, queue,
                                                  rp.rank in die, use_out))
              for rp in plan.ranks if ranks is None or rp.rank in ranks]
     for p in procs:
@@ -226,11 +227,11 @@ def dying_reader(marker: str) -> type:
     (Defined in a function so that Ray ships the class by value.)"""
 
     class DyingReader(raylazy.cluster.actor.RankLoader):
-        def load(self, plan, options, node=None):
-            if self.info_.rank == 1 and not os.path.exists(marker):
+        def load(self, plan, options, node_read=None):
+            if self.info().rank == 1 and not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(1)
-            return super().load(plan, options, node)
+            return super().load(plan, options, node_read)
 
     return DyingReader
 

@@ -26,8 +26,9 @@ from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import node_schedule, rank_keeps
 from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
 from raylazy.io import exchange
+from raylazy.io.backends import node_read
 from raylazy.io.collective import node_address
-from raylazy.io.exchange import ExchangeTask, NodeRounds, read_rank_exchanged
+from raylazy.io.exchange import NodeRounds, read_rank_exchanged
 
 #: Children are forked from a server that has imported torch and raylazy once (fast, and no OpenMP
 #: state of the test process is inherited).
@@ -60,7 +61,7 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
         try:
             options = ReaderOptions(staging_budget=budget, stripe_timeout_s=timeout_s)
             first = len(log.preadv)
-            shards, stats = read_rank_exchanged(plan.ranks[rank], device, node=ExchangeTask.of(plan, sched, address),
+            shards, stats = read_rank_exchanged(plan.ranks[rank], device, node_read=node_read("exchange", plan, sched, "", address),
                                                 options=options)
             assert_header_checks_only(log.pread, plan)
             results.append(({n: t.cpu() for n, t in shards.items()}, asdict(stats), log.preadv[first:]))
@@ -103,7 +104,7 @@ def run_node(tmp_path, cases: list, devices: list[str], fault: dict[int, str] | 
 
 def min_budget(plan, sched, on_device: bool) -> int:
     """The smallest staging budget every rank of the node can work with (some rank gets depth 1)."""
-    rounds = NodeRounds(ExchangeTask.of(plan, sched, "").plans, sched)
+    rounds = NodeRounds(node_read("exchange", plan, sched, "", "").plans, sched)
     need = []
     for me in range(len(sched.ranks)):
         _, size, step = rounds.staging(me, HUGE, on_device)
@@ -176,12 +177,12 @@ def test_cpu_gloo_tp8(tmp_path, llama_dir):
 def test_budget_below_the_minimum_is_refused_before_anything_starts(llama_dir):
     plan = raylazy.plan(llama_dir, 2)
     sched = node_schedule(plan, range(2), "node", 16384)
-    rounds = NodeRounds(ExchangeTask.of(plan, sched, "").plans, sched)
+    rounds = NodeRounds(node_read("exchange", plan, sched, "", "").plans, sched)
     need = [sum(rounds.staging(me, HUGE, False)[1:]) for me in range(2)]
     rank = sched.ranks[need.index(max(need))]
     with pytest.raises(ConfigurationError, match=f"staging_budget {max(need) - 1} bytes is too small.*at least {max(need)}"):
         # no peer is started: the check comes before the exchange
-        read_rank_exchanged(plan.ranks[rank], "cpu", node=ExchangeTask.of(plan, sched, "127.0.0.1:1"),
+        read_rank_exchanged(plan.ranks[rank], "cpu", node_read=node_read("exchange", plan, sched, "", "127.0.0.1:1"),
                             options=ReaderOptions(staging_budget=max(need) - 1))
 
 
@@ -219,7 +220,7 @@ def test_rank_actors_meet_at_the_address_one_of_them_gives(llama_dir, ray_local)
         address = ray.get(actors[0].exchange_address.remote(), timeout=120)
         host, port = address.rsplit(":", 1)
         assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
-        task = ExchangeTask.of(plan, node_schedule(plan, range(2), "node", 16384), address)
+        task = node_read("exchange", plan, node_schedule(plan, range(2), "node", 16384), "", address)
         exchange = ReaderOptions(backend="exchange")
         stats = ray.get([a.load.remote(plan.ranks[r], exchange, task) for r, a in enumerate(actors)], timeout=120)
         # the actors' read calls (rchar, measured in each): the union once, and the header checks

@@ -92,10 +92,10 @@ class RcharLoader(RankLoader):
 
         self._rchar: tuple[int, int] | None = None
 
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         before, probe = read_rchar()
         try:
-            return super().load(plan, options, node)
+            return super().load(plan, options, node_read)
         finally:
             # the bytes of the first probe itself count between the two readings: leave them out
             self._rchar = (before + probe, read_rchar()[0])
@@ -109,9 +109,9 @@ def truncating_loader(path: str, size: int) -> type:
     """A RankLoader class whose load() first truncates `path` to `size` bytes (after planning)."""
 
     class TruncatingLoader(RankLoader):
-        def load(self, plan, options, node=None):
+        def load(self, plan, options, node_read=None):
             os.truncate(path, size)
-            return super().load(plan, options, node)
+            return super().load(plan, options, node_read)
 
     return TruncatingLoader
 
@@ -413,13 +413,55 @@ def test_placement_error_within_timeout(llama_dir, ray_local):
     assert_no_leaks(before, "a placement timeout")
 
 
+#: A load's timeout, and how long each of two of its steps takes in `SlowStart`: more than the timeout together.
+TIMEOUT_S = 15.0
+STEP_S = 0.6 * TIMEOUT_S
+
+
+class SlowStart(RankLoader):
+    """A rank that takes STEP_S more to start (a cold worker on a busy node), then reads its plan's local files
+    through a storage whose first open waits STEP_S (a slow mount), registered in its process as any storage is."""
+
+    def __init__(self, rank: int, device: str = "auto"):
+        from raylazy.storage import LocalStorage, register_storage
+
+        class SlowMount(LocalStorage):
+            delay_s = STEP_S
+
+            def open(self, uri):
+                time.sleep(self.delay_s)
+                self.delay_s = 0
+                return super().open(uri)
+
+        super().__init__(rank, device)
+        time.sleep(STEP_S)
+        register_storage("", SlowMount)
+
+
+@pytest.mark.ray
+def test_timeout_bounds_the_whole_load_after_placement(llama_dir, ray_local):
+    """timeout_s is one bound on the load after placement: the ranks' start and their reads, STEP_S (0.6 x
+    timeout_s) each, fail the load once, at timeout_s, with one error (each step with a timeout of its own
+    would finish it at 1.2 x timeout_s)."""
+    before = live()
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        raylazy.load(llama_dir, 1, device="cpu", progress=False, actor_cls=SlowStart, timeout_s=TIMEOUT_S,
+                     backend="ranged")
+    elapsed = time.monotonic() - t0
+    assert TIMEOUT_S <= elapsed <= 1.1 * TIMEOUT_S + 2, elapsed
+    assert list(info.value.failures) == [0] and isinstance(info.value.failures[0], TimeoutError)
+    assert re.search(f"(start|load) did not finish within {TIMEOUT_S:.0f} s \\(timeout_s\\)", str(info.value))
+    assert_no_leaks(before, "a load past its timeout")
+
+
 # --- progress bar and summary ----------------------------------------------------------------------
 
 
 class SlowLoader(RankLoader):
     """A RankLoader whose positional reads take 10 ms more each, so that a load lasts seconds."""
 
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         real = os.preadv
 
         def preadv(*args):
@@ -428,7 +470,7 @@ class SlowLoader(RankLoader):
 
         os.preadv = preadv
         try:
-            return super().load(plan, options, node)
+            return super().load(plan, options, node_read)
         finally:
             os.preadv = real
 

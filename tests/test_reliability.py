@@ -74,11 +74,11 @@ def blocking_loader(marker_dir: str, victims, block_s: float = 300.0, release_fi
     """
 
     class BlockingLoader(RankLoader):
-        def load(self, plan, options, node=None):
-            rank = self.info_.rank
+        def load(self, plan, options, node_read=None):
+            rank = self.info().rank
             marker = os.path.join(marker_dir, f"rank{rank}")
             if rank not in victims or os.path.exists(marker):
-                return super().load(plan, options, node)
+                return super().load(plan, options, node_read)
             import raylazy.io.ranged as ranged
 
             real, blocked = ranged._Reader.run, threading.Lock()
@@ -100,7 +100,7 @@ def blocking_loader(marker_dir: str, victims, block_s: float = 300.0, release_fi
 
             ranged._Reader.run = run
             try:
-                return super().load(plan, options, node)
+                return super().load(plan, options, node_read)
             finally:
                 ranged._Reader.run = real
 
@@ -182,9 +182,9 @@ def faulty_loader(fail_rank: int | None = None, kind: str | None = None, after: 
         def arm(self, fault_kind: str | None, fault_after: int = 0) -> None:
             self._fault = (fault_kind, fault_after)
 
-        def load(self, plan, options, node=None):
+        def load(self, plan, options, node_read=None):
             with preadv_fault(*self._fault):
-                return super().load(plan, options, node)
+                return super().load(plan, options, node_read)
 
     return FaultyLoader
 
@@ -485,9 +485,9 @@ def _measured(fn):
 class MemoryLoader(RankLoader):
     """Records the baseline and peak RSS of its process around each load."""
 
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         self._shards = None
-        stats, base, peak = _measured(lambda: super(MemoryLoader, self).load(plan, options, node))
+        stats, base, peak = _measured(lambda: super(MemoryLoader, self).load(plan, options, node_read))
         self._memory = {"base": base, "peak": peak, "staging": stats.staging_bytes,
                         "shard_bytes": sum(t.nbytes for t in plan.tensors)}
         return stats

@@ -85,7 +85,7 @@ def restarted(loaded, rank: int, old_pid: int) -> None:
 
 
 def test_read_rank_runs_a_rank_plan_alone_in_this_process(llama_dir):
-    """raylazy.read_rank: a node backend without its node task reads ranged; out= is filled in place."""
+    """raylazy.read_rank: a node backend without its NodeRead reads ranged; out= is filled in place."""
     plan = raylazy.plan(llama_dir, 2)
     for rp in plan.ranks:
         shards, stats = raylazy.read_rank(rp, "cpu", options=ReaderOptions(backend="cooperative"))
@@ -154,9 +154,9 @@ def faulty_holder(fault: dict) -> type:
     "eio" raises an I/O error, "die" ends the process (first attempt only: `fault["marker"]` is then written)."""
 
     class FaultyHolder(Holder):
-        def reload(self, plan, options, node=None):
-            if self.info_.rank != fault["rank"] or os.path.exists(fault["marker"]):
-                return super().reload(plan, options, node)
+        def reload(self, plan, options, node_read=None):
+            if self.info().rank != fault["rank"] or os.path.exists(fault["marker"]):
+                return super().reload(plan, options, node_read)
             real, calls = os.preadv, []
 
             def preadv(fd, buffers, offset, *args):
@@ -170,7 +170,7 @@ def faulty_holder(fault: dict) -> type:
 
             os.preadv = preadv
             try:
-                return super().reload(plan, options, node)
+                return super().reload(plan, options, node_read)
             finally:
                 os.preadv = real
 
@@ -245,7 +245,7 @@ def test_a_rank_restarted_after_a_reload_reads_the_reloaded_plan_again(llama_dir
         again = ray.get(loaded.run(where_am_i), timeout=60)
         assert again[1]["pid"] == loaded.ranks[1].pid and again[0]["pid"] == first[0]["pid"]
         assert [r["digest"] for r in again] == [r["digest"] for r in first]
-        check_loaded(loaded, llama_b)  # read alone (ranged): a cooperative node task is not replayed
+        check_loaded(loaded, llama_b)  # read alone (ranged): a cooperative NodeRead is not replayed
         loaded.reload(llama_dir)  # the restarted rank reloads in place with its node's peer again
         check_loaded(loaded, llama_dir)
 
@@ -323,7 +323,7 @@ ray.init(address=address, logging_level="WARNING")
 
 
 class Blocked(RankLoader):  # every rank blocks in its load: the driver waits until interrupted
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         open(marker + str(plan.rank), "w").close()
         time.sleep(600)
 

@@ -74,13 +74,13 @@ class CountingLoader(Holder):
         reads, self.log.pread, self.log.preadv = self.log.pread + self.log.preadv, [], []
         return reads
 
-    def load(self, plan, options, node=None):
+    def load(self, plan, options, node_read=None):
         self.loads += 1
-        return super().load(plan, options, node)
+        return super().load(plan, options, node_read)
 
-    def reload(self, plan, options, node=None):
+    def reload(self, plan, options, node_read=None):
         self.loads += 1
-        return super().reload(plan, options, node)
+        return super().reload(plan, options, node_read)
 
     def peer_shards(self, names):
         self.served += 1

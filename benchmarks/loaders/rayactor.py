@@ -36,11 +36,11 @@ class BenchRankLoader(RankLoader):
                 fh.write(str(os.getpid()))
         super().__init__(rank, device)
 
-    def load(self, plan, options, node=None) -> BenchStats:
+    def load(self, plan, options, node_read=None) -> BenchStats:
         if self.active is not None and plan.rank not in self.active:
-            return BenchStats(backend=options.backend, device=self.info_.device)
+            return BenchStats(backend=options.backend, device=self.info().device)
         disk = Device([f.uri for f in plan.files])
-        stats, m = measured(lambda: RankLoader.load(self, plan, options, node), disk if disk.name else None)
+        stats, m = measured(lambda: RankLoader.load(self, plan, options, node_read), disk if disk.name else None)
         m.update(rank=plan.rank, shard_bytes=sum(t.nbytes for t in plan.tensors), tensors=len(plan.tensors),
                  anon_base=m["anon_before"])  # a fresh actor per load: torch is imported, nothing else held
         return BenchStats(**asdict(stats), bench=m)

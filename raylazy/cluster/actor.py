@@ -26,6 +26,7 @@ from typing import Any
 
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan
+from ..core.schedule import NodeRead
 from ..errors import NoShardsError
 from ..io.stats import Counter, ReadStats
 from .portable import Portable
@@ -85,7 +86,7 @@ class RankMixin:
     """The methods raylazy calls on a rank actor (`RANK_METHODS`); mix it into any Ray actor class to make it a rank.
 
     Setup and state: `rank_init(rank, device)` (called by `raylazy.load(..., actors=[...])`), `info()`,
-    `progress()`. Reading: `load(plan, options, node=None)`, `reload(plan, options, node=None)`,
+    `progress()`. Reading: `load(plan, options, node_read=None)`, `reload(plan, options, node_read=None)`,
     `exchange_address()` (an exchanged load's meeting point), `forget_load(load_id)` (cleanup after a failed
     cooperative read). Copies between replicas: `receive(source, plan, options, transport, in_place)` on the
     receiving rank, `peer_shards(names)` on its source, `land(key, shards)` for batches over a direct transport.
@@ -112,10 +113,6 @@ class RankMixin:
         ))
         return self._raylazy.info
 
-    @property
-    def info_(self) -> RankInfo:
-        return self._rank().info
-
     def info(self) -> RankInfo:
         return self._rank().info
 
@@ -133,22 +130,21 @@ class RankMixin:
 
         return serve_rendezvous(ray.util.get_node_ip_address())
 
-    def load(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
-        """Read this rank's shards into new tensors on its device (the old ones are dropped first); `node` (a
-        `raylazy.core.schedule.NodeTask` or a `raylazy.io.exchange.ExchangeTask`) is what a node backend needs
-        to read with the other ranks of the node. On failure nothing is kept."""
-        return self._read(plan, options, node, in_place=False)
+    def load(self, plan: RankPlan, options: ReaderOptions, node_read: NodeRead | None = None) -> ReadStats:
+        """Read this rank's shards into new tensors on its device (the old ones are dropped first); `node_read`:
+        its node's read, for a node backend reading with the other ranks of the node. On failure nothing is kept."""
+        return self._read(plan, options, node_read, in_place=False)
 
-    def reload(self, plan: RankPlan, options: ReaderOptions, node=None) -> ReadStats:
+    def reload(self, plan: RankPlan, options: ReaderOptions, node_read: NodeRead | None = None) -> ReadStats:
         """Read `plan` into the tensors this rank already holds (same objects, same memory); a rank holding
         none (a restarted process) allocates them. A plan whose shards do not fit them is a BufferMismatchError
         before anything is written. On a failure after that the rank holds nothing valid (NoShardsError)."""
-        return self._read(plan, options, node, in_place=True)
+        return self._read(plan, options, node_read, in_place=True)
 
     def receive(self, source, plan: RankPlan, options: ReaderOptions, transport: str = "object_store",
                 in_place: bool = False) -> ReadStats:
         """Copy this rank's shards from `source`, the rank actor with the same stage and tp rank in a live replica
-        (`raylazy.cluster.replicas`, in batches of `options.staging_budget` bytes), instead of reading storage; `in_place`
+        (`raylazy.cluster.loading`, in batches of `options.staging_budget` bytes), instead of reading storage; `in_place`
         (a reload): into the shards it holds, as `reload` does. On failure (a PeerFailedError) nothing is kept
         (nothing valid, in place); restarted later, the rank reads `plan` from storage with `options`."""
         from .receive import receive_shards
@@ -215,12 +211,12 @@ class RankMixin:
                                         "makes it one (rank_init)")
         return self._raylazy
 
-    def _read(self, plan: RankPlan, options: ReaderOptions, node, in_place: bool) -> ReadStats:
+    def _read(self, plan: RankPlan, options: ReaderOptions, node_read: NodeRead | None, in_place: bool) -> ReadStats:
         from ..io.backends import read_rank
 
         out = self._held_buffers(plan) if in_place else None
         state = self._begin(in_place)
-        shards, stats = read_rank(plan, state.info.device, options=options, node=node,
+        shards, stats = read_rank(plan, state.info.device, options=options, node_read=node_read,
                                   on_progress=state.progress.add, out=out)
         self._hold(state, shards, plan, options)
         return stats

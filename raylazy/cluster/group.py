@@ -6,7 +6,7 @@ driver reads headers. Ranks are placed as one placement group, or one per pipeli
 placement group has one strategy: each stage is packed on its own). Every failure of a call over
 the group becomes one `RankFailedError` keyed by rank. `release()` removes the placement groups
 and kills the actors raylazy started, on every path (a second interrupt during it included); the
-caller's actors only drop their shards.
+caller's actors only drop their shards. A `Deadline` bounds the calls of one load: each waits what is left of it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,19 @@ from .bundles import describe_resources
 from .ray_internals import forget_rank
 
 
+class Deadline:
+    """`timeout_s` from now: the one bound on a load's steps after placement, each waiting what is left of it."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s, self.end = timeout_s, time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def missed(self, what: str) -> TimeoutError:
+        return TimeoutError(f"{what} did not finish within {self.timeout_s:.0f} s (timeout_s)")
+
+
 @dataclass
 class RankGroup:
     """The actors of one load, the ranks in order over the bundles of `placement_groups` (one, or one per
@@ -38,6 +51,8 @@ class RankGroup:
     placement_groups: list
     ranks: list[RankInfo] = field(default_factory=list)
     owned: bool = True
+    #: The caller's actors' `rank_init` calls, sent by `adopt` and answered at the first `refresh`.
+    starting: list = field(default_factory=list)
 
     @property
     def placement_group(self):
@@ -84,31 +99,32 @@ class RankGroup:
         return cls(name, actors, pgs)
 
     @classmethod
-    def adopt(cls, actors: list, device: str = "auto", timeout_s: float = 300.0) -> RankGroup:
+    def adopt(cls, actors: list, device: str = "auto") -> RankGroup:
         """A group of the caller's actors, rank r being `actors[r]`: each must have `raylazy.RankMixin`'s methods;
-        each is made rank r (`rank_init`) now, so the group is ready when this returns."""
+        each is asked to become rank r (`rank_init`) now, and the group is ready at its first `refresh`."""
         missing = sorted({m for a in actors for m in RANK_METHODS if not hasattr(a, m)})
         if missing:
             raise ConfigurationError(f"actors= needs Ray actors whose class mixes in raylazy.RankMixin; some lack "
                                      f"{', '.join(missing)}")
-        group = cls(f"raylazy-{uuid.uuid4().hex[:8]}", list(actors), [], owned=False)
-        group.ranks = group.gather([a.rank_init.remote(r, device) for r, a in enumerate(actors)], timeout_s, "start")
-        return group
+        return cls(f"raylazy-{uuid.uuid4().hex[:8]}", list(actors), [], owned=False,
+                   starting=[a.rank_init.remote(r, device) for r, a in enumerate(actors)])
 
-    def refresh(self, timeout_s: float = 300.0, what: str = "info") -> list[RankInfo]:
-        """Ask every actor where it runs now (a restarted rank has a new process, maybe on another node)."""
-        self.ranks = self.gather([a.info.remote() for a in self.actors], timeout_s, what) if self.actors else []
+    def refresh(self, deadline: Deadline, what: str = "info") -> list[RankInfo]:
+        """Ask every actor where it runs now (a restarted rank has a new process, maybe on another node; the caller's
+        actors answer their `rank_init` the first time)."""
+        refs, self.starting = self.starting or [a.info.remote() for a in self.actors], []
+        self.ranks = self.gather(refs, deadline, what) if self.actors else []
         return self.ranks
 
     @property
     def size(self) -> int:
         return len(self.actors)
 
-    def wait_ready(self, placement_timeout_s: float, timeout_s: float) -> list[RankInfo]:
-        """Wait until the group is placed and every actor has started; returns (and keeps) each rank's RankInfo."""
+    def wait_placed(self, placement_timeout_s: float) -> None:
+        """Wait until the group's placement groups are placed (the caller's actors have none)."""
         import ray
 
-        pgs = self.placement_groups  # none for the caller's own actors
+        pgs = self.placement_groups
         ready = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=placement_timeout_s)[0] if pgs else []
         if len(ready) < len(pgs):
             bundle = self.placement_group.bundle_specs[0] if self.placement_group.bundle_specs else {}
@@ -118,32 +134,30 @@ class RankGroup:
                 f"and {describe_resources(ray.available_resources())} free. Add nodes, lower tp, or pass "
                 "use_gpu=False / a smaller cpus_per_rank"
             )
-        return self.refresh(timeout_s, "start")
 
-    def gather(self, refs: list, timeout_s: float, what: str, grace_s: float = 2.0) -> list:
-        """ray.get every rank's ref; failures (or a timeout) become one RankFailedError keyed by rank.
+    def gather(self, refs: list, deadline: Deadline, what: str, grace_s: float = 2.0) -> list:
+        """ray.get every rank's ref within `deadline`; failures (or the deadline passing) become one RankFailedError
+        keyed by rank.
 
-        After the first failure the others get `grace_s` more seconds to report theirs,
+        After the first failure the others get `grace_s` more seconds (within the deadline) to report theirs,
         so one error lists every rank that failed at about the same time.
         """
         import ray
 
-        deadline = time.monotonic() + timeout_s
+        until = deadline.end
         results, failures = {}, {}
         pending = dict(enumerate(refs))
         while pending:
-            ready, _ = ray.wait(list(pending.values()), num_returns=1,
-                                timeout=max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, until - time.monotonic()))
             for rank in [r for r, ref in pending.items() if ref in ready]:
                 try:
                     results[rank] = ray.get(pending.pop(rank))
                 except Exception as e:  # noqa: BLE001  (a rank's failure, reported with all others)
                     failures[rank] = cause(e)
-                    deadline = min(deadline, time.monotonic() + grace_s)
-            if pending and time.monotonic() >= deadline:
+                    until = min(until, time.monotonic() + grace_s)
+            if pending and time.monotonic() >= until:
                 if not failures:
-                    failures = {r: TimeoutError(f"{what} did not finish within {timeout_s:.0f} s{self._stuck(r)}")
-                                for r in pending}
+                    failures = {r: TimeoutError(f"{deadline.missed(what)}{self._stuck(r)}") for r in pending}
                 break
         if failures:
             raise RankFailedError(failures, what)

@@ -1,11 +1,10 @@
 """`raylazy.load`: plan on the driver, one Ray actor per rank reads its ranges, refs come back; `LoadedModel.reload`.
 
-A thin composition: options -> Ray (joined or started) -> bundles checked against the
-cluster -> a `RankGroup` created first, so its actors start (import torch) while the
-driver plans (or the caller's own actors, `actors=`) -> replica 0's ranks read their plan
-(`raylazy.cluster.reading`), the other replicas copy from them (`raylazy.cluster.replicas`) -> a `LoadedModel`. Whatever happens after the group exists, an error, a
-timeout or a KeyboardInterrupt, releases all of it. `reload` plans another checkpoint of the
-same layout and the same ranks read it, through the same step, into the shards they hold.
+A thin composition: options -> Ray (joined or started) -> a `raylazy.cluster.loading.Load`, which starts the
+rank group (its actors start, importing torch, while the driver plans; or the caller's own actors, `actors=`) and
+runs the load's steps (whatever happens once the group exists, an error, a timeout or a KeyboardInterrupt,
+releases all of it) -> a `LoadedModel`. `reload` runs a `Load` of another checkpoint of the same layout by the
+same ranks, into the shards they hold.
 """
 
 from __future__ import annotations
@@ -19,19 +18,15 @@ from typing import Any
 
 from ..core.mesh import Coord, Mesh
 from ..core.options import LoadOptions, load_options
-from ..core.planner import with_replicas
-from ..core.plans import Plan, check_same_layout, format_bytes
+from ..core.plans import Plan, format_bytes
 from ..core.rules import RulesLike
 from ..errors import ConfigurationError, NoShardsError
-from ..io.backends import check_backend
 from ..io.stats import ReadStats
-from ..planning import make_plan
 from .actor import RankInfo, RankLoader
-from .bundles import check_placeable, ensure_ray, rank_bundles, stage_strategy
-from .group import RankGroup
+from .bundles import ensure_ray
+from .group import Deadline, RankGroup
+from .loading import Load
 from .portable import portable_shards
-from .reading import read_ranks
-from .replicas import copy_from_replicas
 
 log = logging.getLogger("raylazy")
 
@@ -73,7 +68,7 @@ class LoadedModel:
     @property
     def ranks(self) -> list[RankInfo]:
         """Where each rank runs now, asked of the actors (a rank Ray restarted shows its new process)."""
-        return self.group.refresh(self.options.timeout_s)
+        return self.group.refresh(Deadline(self.options.timeout_s))
 
     def refs(self, transport: str | None = None) -> list:
         """Per rank, an ObjectRef resolving to {name: tensor}.
@@ -141,13 +136,8 @@ class LoadedModel:
             raise NoShardsError("this LoadedModel was released: raylazy.load again")
         t0 = time.perf_counter()
         rules = self.rules if rules is None else rules
-        plan = make_plan(model_dir, rules=rules, storage_options=self.options.reader.storage_options,
-                         **dict(self.options.plan))
-        check_backend(self.options.reader.backend, plan.ranks)
-        check_same_layout(self.plan, plan)
         self._refs = {}
-        self.group.refresh(self.options.timeout_s, "reload")  # a restarted rank may be on another node now
-        self.plan, self.stats = _fill(self.group, plan, self.options, None, "reload")
+        self.plan, self.stats = Load(self.group, self.options, held=self.plan).run(model_dir, rules)
         self.rules, self.seconds = rules, time.perf_counter() - t0
         log.info("%s", self.summary())
         return self
@@ -191,53 +181,11 @@ def load(
                         device=device, backend=backend, **options)
     own_ray = ensure_ray()
     t0 = time.perf_counter()
-    group = _start_group(opts, own_ray, actor_cls, actors)
-    try:
-        plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
-                else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
-        check_backend(opts.reader.backend, plan.ranks)
-        group.wait_ready(opts.placement.placement_timeout_s, opts.timeout_s)
-        plan, stats = _fill(group, plan, opts, source, "load")
-    except BaseException:
-        group.release()
-        raise
-    loaded = LoadedModel(plan, opts, group, stats, time.perf_counter() - t0, rules=rules)
+    job = Load.start(opts, own_ray, actor_cls, actors)
+    plan, stats = job.run(model_dir, rules, source)
+    loaded = LoadedModel(plan, opts, job.group, stats, time.perf_counter() - t0, rules=rules)
     log.info("%s", loaded.summary())
     return loaded
-
-
-def _start_group(opts: LoadOptions, own_ray: bool, actor_cls: type, actors: list | None) -> RankGroup:
-    """The caller's `actors` made ranks, else a new group: one bundle per rank (a placement group per pipeline
-    stage of each replica), checked against the cluster first, its `actor_cls` actors starting (importing torch)
-    while the driver plans."""
-    place, mesh = opts.placement, opts.plan.mesh
-    if actors is not None:
-        if actor_cls is not RankLoader:
-            raise ConfigurationError("give actors= (your own rank actors) or actor_cls= (the class raylazy starts), "
-                                     "not both")
-        if len(actors) != mesh.size:
-            raise ConfigurationError(f"actors= gives {len(actors)} actor(s) for {mesh.size} rank(s): "
-                                     "give one per rank")
-        return RankGroup.adopt(actors, place.device, opts.timeout_s)
-    bundles = rank_bundles(mesh.size, place, own_ray)
-    groups = mesh.size // mesh.tp if mesh.pp > 1 else 1
-    strategy = stage_strategy(bundles, place, groups)
-    check_placeable(bundles, strategy, place.autoscale, groups)
-    return RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
-
-
-def _fill(group: RankGroup, plan: Plan, opts: LoadOptions, source: LoadedModel | None,
-          method: str) -> tuple[Plan, list[ReadStats]]:
-    """The ranks get `plan`'s shards: replica 0's read them from storage (`method`: "load", or "reload" into the
-    shards they hold), unless `source` (a live LoadedModel) gives every rank its shards; the other replicas copy
-    theirs from a live replica (in place for a reload). Returns the plan as read (with replica 0's node
-    schedules, if any) and every rank's ReadStats."""
-    read = []
-    if source is None:
-        first = plan.mesh.size // plan.mesh.dp
-        scheduled, read = read_ranks(group, plan.model_copy(update={"ranks": plan.ranks[:first]}), opts, method)
-        plan = plan.model_copy(update={"nodes": scheduled.nodes})
-    return plan, copy_from_replicas(group, plan, opts, source, read, in_place=method == "reload")
 
 
 def _replicated(model_dir, tp, pp, mesh, rules, replicas: int, source: LoadedModel | None) -> tuple:

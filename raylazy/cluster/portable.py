@@ -1,4 +1,4 @@
-"""Shards made safe for Ray's object store: torch (2.13) pickles float8 tensors but cannot unpickle them
+"""Shards made safe for Ray's object store: torch pickles float8 tensors but cannot unpickle them
 (`UntypedStorage has no attribute dtype`), so they travel as their bytes and come back as themselves."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A rank copies its shards from the rank with its coordinates in a live replica (run inside the receiving
-rank's actor; the driver's side is `raylazy.cluster.replicas`).
+rank's actor; the driver's side is `raylazy.cluster.loading`).
 
 The receiving rank pulls its shards from its source rank in batches of whole tensors of at most
 `staging_budget` bytes, requesting the next batch before copying the current one into its own buffers. CPU

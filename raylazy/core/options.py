@@ -147,7 +147,7 @@ class LoadOptions(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
     #: How shard refs travel: "auto" = object store for CPU shards, CUDA IPC for GPU shards.
     transport: Literal["auto", "object_store", "nccl", "gloo", "nixl", "cuda_ipc"] = "auto"
-    #: How a rank copies its shards from a live replica's rank (`raylazy.cluster.replicas`): "auto" = the object store for
+    #: How a rank copies its shards from a live replica's rank (`raylazy.cluster.loading`): "auto" = the object store for
     #: CPU shards, NCCL (Ray's direct tensor transport, device to device) for GPU shards.
     peer_transport: Literal["auto", "object_store", "nccl", "gloo"] = "auto"
     #: Show a progress bar: None = when stderr is a terminal.

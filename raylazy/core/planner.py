@@ -178,7 +178,7 @@ def _mtp_names(cfg, tensors) -> set[str]:
 
 def with_replicas(plan: Plan, dp: int) -> Plan:
     """`plan` for `dp` replicas: replica r's rank plans are replica 0's (the plan's first ranks), with replica r's
-    global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.cluster.replicas`)."""
+    global ranks. Replica 0 is the one that reads from storage; the others copy from it (`raylazy.cluster.loading`)."""
     per = plan.mesh.size // plan.mesh.dp
     mesh = Mesh(**{**plan.mesh.shape, "dp": dp})  # a bad dp is Mesh's ConfigurationError
     ranks = tuple(RankPlan(rank=r * per + i, mesh=mesh, files=plan.files, tensors=rp.tensors)

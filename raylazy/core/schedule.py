@@ -6,7 +6,7 @@ A rank's shards are cut into windows of whole destination rows of at most `chunk
 fills windows independently (in any order, on any thread) into a window-sized buffer
 or straight into the shard.
 
-Cooperative reads (issue 17): a node's ranks read the union of the bytes they need once. `node_schedule`
+Node reads: a node's ranks read the union of the bytes they need once. `node_schedule`
 cuts that union (page-rounded and coalesced, per file) into `Stripe`s of at most `stripe_bytes`; the union
 is split into one contiguous, byte-balanced run per rank of the node, so each reader streams sequentially.
 `rank_keeps` says which bytes of which stripes a rank copies into its shards. Every `Keep` lies inside
@@ -140,12 +140,16 @@ def group_by_node(node_ids: Sequence[str]) -> NodeGroups:
 
 
 @dataclass(frozen=True)
-class NodeTask:
-    """What the driver gives each rank of a node for a cooperative load: the node's schedule, and the load's id
-    (unique per load; it names the node's shared ready map)."""
+class NodeRead:
+    """One read by the ranks of a node together (a node backend), the same for each of them: the node's schedule,
+    its ranks' plans in `schedule.ranks` order where the backend needs them (an exchange reader sends each rank
+    what it keeps; `raylazy.io.backends.node_read` builds it), an id unique to the read (it names the node's ready
+    map, for cooperative stripe readers) and where the ranks meet (the exchange's rendezvous address)."""
 
-    load_id: str
     schedule: NodeSchedule
+    plans: tuple[RankPlan, ...] = ()
+    load_id: str = ""
+    address: str = ""
 
 
 class Keep(NamedTuple):

@@ -22,8 +22,8 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from math import prod
 from typing import Protocol
 
@@ -33,10 +33,9 @@ from ..core.checkpoint import Checkpoint
 from ..core.dtypes import itemsize, torch_dtype
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
-from ..core.schedule import NodeTask, node_schedule
-from ..io.backends import NODE_BACKENDS, backend_for, read_rank, solo_backend
+from ..core.schedule import NodeRead, node_schedule
+from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
 from ..io.collective import Exchange, collective_backend, node_address
-from ..io.exchange import ExchangeTask, read_rank_exchanged
 from ..io.stats import ReadStats
 from ..storage import open_planned, storage_for
 from .lazy import Copy, LazyOptions, LazyWeight, Region, extent
@@ -121,22 +120,19 @@ class Reads:
         return RankPlan(rank=rank, mesh=mesh, files=self.files, tensors=tuple(self.shard(r, _name(r)) for r in regions))
 
     def read(self, regions: list[Region], *, backend: str = "ranged", device: str = "cpu", out: dict | None = None,
-             node: NodeRead | None = None) -> dict[Region, torch.Tensor]:
-        """Each region's box as a tensor on `device`: read alone with `backend`, or as this process's part of a
-        node read."""
+             plan: RankPlan | None = None, node_read: NodeRead | None = None,
+             exchange: Exchange | None = None) -> dict[Region, torch.Tensor]:
+        """Each region's box as a tensor on `device`: read alone with `backend`, or as this process's part (`plan`)
+        of a node read (`exchange`: the node's, open across batches)."""
         if backend == "fastsafetensors":
             return self._read_whole(regions, device)
         options = self.options.reader.model_copy(update={"backend": backend})
-        plan = node.plan.ranks[node.local] if node else self.rank_plan(0, regions)
-        files = sorted({r.file for t in plan.tensors for r in t.reads} | (node.files if node else set()))
-        kw = dict(options=options, out={_name(r): t for r, t in (out or {}).items()}, sources=self.sources(files))
-        if node is None:
-            got, stats = read_rank(plan, device, **kw)
-        elif backend == "exchange":
-            task = ExchangeTask.of(node.plan, node.schedule, node.address)
-            got, stats = read_rank_exchanged(plan, device, node=task, exchange=node.exchange, **kw)
-        else:
-            got, stats = read_rank(plan, device, node=NodeTask(node.load_id, node.schedule), **kw)
+        plan = plan if plan is not None else self.rank_plan(0, regions)
+        files = {r.file for t in plan.tensors for r in t.reads}
+        if node_read is not None:  # and those of the stripes it reads for the node
+            files |= {node_read.schedule.stripes[i].file for i in node_read.schedule.read_by(plan.rank)}
+        got, stats = read_rank(plan, device, options=options, node_read=node_read, exchange=exchange,
+                               out={_name(r): t for r, t in (out or {}).items()}, sources=self.sources(sorted(files)))
         with self._lock:
             self.stats.add_read(stats)
         return {r: got[_name(r)] for r in regions}
@@ -184,20 +180,6 @@ def node_key() -> str:
 
 
 @dataclass
-class NodeRead:
-    """One batch of a node read, as this process (local rank `local`) takes part in it: the plan of every
-    process of the node, its schedule, and what the backend needs (files of its stripes, load id, address)."""
-
-    plan: Plan
-    local: int
-    schedule: object
-    load_id: str
-    address: str
-    files: set[int] = field(default_factory=set)
-    exchange: Exchange | None = None
-
-
-@dataclass
 class _Peer:
     """What each process tells the others: its node, an exchange address and a load id (its node's first
     process's are used), and the regions it wants (checkpoint tensor index, starts, sizes, bytes held)."""
@@ -229,8 +211,9 @@ def batch_cuts(wants: list[dict[Region, int]], budget: float) -> list[list[list[
 @dataclass
 class _Batch:
     regions: list[Region]  # this process's
-    node: NodeRead | None
     left: int  # regions of the batch not yet taken their last time
+    plan: RankPlan | None = None  # this process's part of the batch's node read, if the node reads it
+    node_read: NodeRead | None = None
     read: bool = False
 
 
@@ -273,25 +256,25 @@ class Serving:
         me = _Peer(node_key(), node_address("127.0.0.1"), uuid.uuid4().hex,
                    [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
         peers = group.all_gather(me)
-        node = [i for i, p in enumerate(peers) if p.node == me.node]
-        backend = backend_for(requested, len(node), self.device, self.reads.files)
+        here = [i for i, p in enumerate(peers) if p.node == me.node]
+        backend = backend_for(requested, len(here), self.device, self.reads.files)
         if backend not in NODE_BACKENDS:
             return self._alone(backend, budget)
-        self.stats.node_processes = len(node)
-        wants = [{Region(*tensors[i], starts, sizes): held for i, starts, sizes, held in peers[p].wants} for p in node]
-        first = peers[node[0]]
-        batches = [self._node_batch(cut, node.index(group.rank), first.load_id, b, first.address)
+        self.stats.node_processes = len(here)
+        wants = [{Region(*tensors[i], starts, sizes): held for i, starts, sizes, held in peers[p].wants} for p in here]
+        first, local = peers[here[0]], here.index(group.rank)
+        batches = [self._node_batch(cut, local, backend, f"{first.load_id}-{b}", first.address)
                    for b, cut in enumerate(batch_cuts(wants, budget))]
-        session = _exchange(batches, len(node), self.device, self.options.reader.stripe_timeout_s) \
+        session = _exchange(batches, local, len(here), self.device, self.options.reader.stripe_timeout_s) \
             if backend == "exchange" else nullcontext()
         return backend, batches, session
 
     def _alone(self, backend: str, budget: float) -> tuple[str, list[_Batch], object]:
         """This process reading its own regions with `backend`, in batches of `budget` held bytes."""
-        return backend, [_Batch(b[0], None, len(b[0])) for b in batch_cuts([self._held()], budget)], nullcontext()
+        return backend, [_Batch(b[0], len(b[0])) for b in batch_cuts([self._held()], budget)], nullcontext()
 
-    def _node_batch(self, cut: list[list[Region]], local: int, load_id: str, b: int, address: str) -> _Batch:
-        """Batch `b` as local process `local` reads it with the node: every process's plan, the node's schedule."""
+    def _node_batch(self, cut: list[list[Region]], local: int, backend: str, load_id: str, address: str) -> _Batch:
+        """A batch as local process `local` reads it with the node (`backend`): its plan, the node's read."""
         mesh = Mesh(tp=len(cut))
         plans = tuple(self.reads.rank_plan(i, regions, mesh) for i, regions in enumerate(cut))
         plan = Plan(root=self.reads.ckpt.root, model_type=self.reads.ckpt.config.model_type, mesh=mesh,
@@ -299,8 +282,7 @@ class Serving:
                     files=self.reads.files, skipped=(), ranks=plans)
         sched = node_schedule(plan, range(len(cut)), stripe_bytes=self.options.reader.stripe_bytes)
         self.stats.node_bytes += sched.nbytes
-        files = {sched.stripes[i].file for i in sched.read_by(local)}
-        return _Batch(cut[local], NodeRead(plan, local, sched, f"{load_id}-{b}", address, files), len(cut[local]))
+        return _Batch(cut[local], len(cut[local]), plans[local], node_read(backend, plan, sched, load_id, address))
 
     def __enter__(self) -> Serving:
         self._thread.start()
@@ -314,7 +296,7 @@ class Serving:
 
     def _run(self) -> None:
         try:
-            with self._session:
+            with self._session as exchange:
                 for b, batch in enumerate(self._batches):
                     with self._cond:
                         while not self._stop and b > self._wanted and b - self._taken > self.options.batches_ahead:
@@ -323,7 +305,7 @@ class Serving:
                             raise _Stopped
                     out = {r: self._out[r] for r in batch.regions if r in self._out}
                     got = self.reads.read(batch.regions, backend=self.backend, device=self.device, out=out,
-                                          node=batch.node)
+                                          plan=batch.plan, node_read=batch.node_read, exchange=exchange)
                     with self._cond:
                         self._ready.update(got)
                         batch.read = True
@@ -379,16 +361,13 @@ class _Stopped(Exception):
 
 
 @contextmanager
-def _exchange(batches: list[_Batch], size: int, device: str, timeout_s: float) -> Iterator[None]:
+def _exchange(batches: list[_Batch], local: int, size: int, device: str, timeout_s: float) -> Iterator[Exchange | None]:
     """One Exchange of the node's processes for all the batches (its rendezvous at the node's first process)."""
-    with ExitStack() as stack:
-        if batches:
-            first = batches[0].node
-            ex = stack.enter_context(Exchange(collective_backend(device), first.local, size, first.address, timeout_s,
-                                              device))
-            for b in batches:
-                b.node.exchange = ex
-        yield
+    if not batches:
+        yield None
+        return
+    with Exchange(collective_backend(device), local, size, batches[0].node_read.address, timeout_s, device) as ex:
+        yield ex
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The registry of rank readers (each backend's read function and the driver-side check of what it can read), the
-backend each rank uses, and `read_rank`: one rank's plan executed in any process with its backend."""
+backend each rank uses, the `NodeRead` a node backend's ranks read together, and `read_rank`: one rank's plan
+executed in any process with its backend."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.options import ReaderOptions
-from ..core.plans import FileRef, RankPlan
+from ..core.plans import FileRef, NodeSchedule, Plan, RankPlan
+from ..core.schedule import NodeRead
 from ..errors import ConfigurationError
 from ..storage import local_path
 from .stats import Progress, ReadStats
@@ -16,7 +18,7 @@ from .stats import Progress, ReadStats
 @dataclass(frozen=True)
 class Backend:
     """`read(plan, device, *, options, on_progress, out, sources) -> ({name: tensor}, ReadStats)` executes one
-    rank's plan in any process (cooperative also takes `node`, its node's `NodeTask`); `check(plan)` raises
+    rank's plan in any process (the node backends also take `node_read`, their node's `NodeRead`); `check(plan)` raises
     ConfigurationError, on the driver before any rank reads, for a rank plan the backend cannot read."""
 
     name: str
@@ -48,7 +50,7 @@ def check_backend(name: str, plans) -> None:
         check(plan)
 
 
-#: Backends whose ranks read together with the other ranks of their node (the driver gives each a node task).
+#: Backends whose ranks read together with the other ranks of their node (each given its node's `NodeRead`).
 NODE_BACKENDS = ("cooperative", "exchange")
 
 
@@ -70,8 +72,16 @@ def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) 
     return name
 
 
+def node_read(backend: str, plan: Plan, schedule: NodeSchedule, load_id: str, address: str = "") -> NodeRead:
+    """What every rank of node `schedule` gets to read `plan` with node backend `backend`: the exchange's readers
+    send each rank what it keeps, so they get the plans of all the node's ranks (and `address`, where they meet);
+    cooperative ranks meet in the page cache and need only the schedule and `load_id`."""
+    plans = tuple(plan.ranks[r] for r in schedule.ranks) if backend == "exchange" else ()
+    return NodeRead(schedule, plans, load_id, address)
+
+
 def solo_backend(name: str) -> str:
-    """The backend a rank reading alone (no node task) uses for the requested `name`: "auto" and the node
+    """The backend a rank reading alone (no NodeRead) uses for the requested `name`: "auto" and the node
     backends read "ranged", the others themselves."""
     return "ranged" if name == "auto" or name in NODE_BACKENDS else name
 
@@ -81,25 +91,28 @@ def read_rank(
     device: str = "cpu",
     *,
     options: ReaderOptions = ReaderOptions(),
-    node=None,
+    node_read: NodeRead | None = None,
+    exchange=None,
     on_progress: Progress | None = None,
     out: Mapping | None = None,
     sources: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
     """Execute one rank's plan in this process (no Ray needed): ({name: tensor} on `device`, its ReadStats).
 
-    `options.backend` picks the reader. With `node` (the `raylazy.core.schedule.NodeTask` or
-    `raylazy.io.exchange.ExchangeTask` the driver made for the rank's node) it is the backend the driver
-    chose; without, the rank reads alone: "auto" and the node backends read "ranged". `out` ({name: tensor}):
+    `options.backend` picks the reader. With `node_read` (its node's `NodeRead`, from `node_read`) it is the node
+    backend chosen for the node; without, the rank reads alone: "auto" and the node backends read "ranged".
+    `exchange`: for the exchange, the node's `raylazy.io.collective.Exchange`, open already and left open, for a
+    caller making several node reads in turn (else the ranks meet at `node_read.address`). `out` ({name: tensor}):
     shards filled in place and returned as the same tensors (see `raylazy.io.buffers.shard_buffers`:
     BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
     bytes land. `sources` ({file index: Source}): files of the plan the caller opened and checked already
     (`raylazy.storage.open_planned`), read as they are and left open. Raises on any failure; a shard of `out`
     may then be partly overwritten.
     """
-    backend = options.backend if node is not None else solo_backend(options.backend)
+    backend = options.backend if node_read is not None else solo_backend(options.backend)
+    together = {k: v for k, v in (("node_read", node_read), ("exchange", exchange)) if v is not None}
     return get_backend(backend).read(plan, device, options=options, on_progress=on_progress, out=out, sources=sources,
-                                     **({"node": node} if node is not None else {}))
+                                     **together)
 
 
 def _register_builtin() -> None:

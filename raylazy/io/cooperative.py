@@ -1,7 +1,7 @@
 """Cooperative reads on the CPU: a node's ranks bring its union from storage once, into the page cache, and
 each copies the bytes it keeps out of a memory map of the files.
 
-Every rank of a node gets the node's `NodeSchedule` and a load id (`NodeTask`). As a keeper, a rank copies
+Every rank of a node gets the node's `NodeSchedule` and a load id (its `NodeRead`). As a keeper, a rank copies
 its keeps (`rank_keeps`) out of a private read-only mapping of each file (`mmap`, which shares the page
 cache's pages: nothing is read twice from storage) into its shards: one vectorised strided copy per keep,
 no per-row system call. Who reads storage depends on `options.stripe_readers`:
@@ -54,7 +54,7 @@ from contextlib import ExitStack, contextmanager
 
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, RankPlan
-from ..core.schedule import NodeTask, rank_keeps
+from ..core.schedule import NodeRead, rank_keeps
 from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
 from .buffers import shard_buffers, shards_of
@@ -73,22 +73,22 @@ def read_rank_cooperative(
     plan: RankPlan,
     device: str = "cpu",
     *,
-    node: NodeTask,
+    node_read: NodeRead,
     options: ReaderOptions = ReaderOptions(),
     on_progress: Progress | None = None,
     out: Mapping | None = None,
     sources: Mapping | None = None,
 ) -> tuple[dict, ReadStats]:
-    """Read `plan`'s shards together with the other ranks of `node.schedule`; returns ({name: tensor}, stats).
+    """Read `plan`'s shards together with the other ranks of `node_read.schedule`; returns ({name: tensor}, stats).
 
-    Every rank of the node must run this with the same `node` at about the same time (each reads stripes the
+    Every rank of the node must run this with the same `node_read` at about the same time (each reads stripes the
     others keep). `out` and `sources` as for `raylazy.io.ranged.read_rank_ranged`. Raises on any failure; no
     partial shard is returned.
     """
     import torch
 
     dev = torch.device(device)
-    sched = node.schedule
+    sched = node_read.schedule
     if plan.rank not in sched.ranks:
         raise ConfigurationError(f"rank {plan.rank} is not one of node {sched.node}'s ranks {sched.ranks}")
     stats, counter, meter = ReadStats(backend="cooperative", device=str(dev)), Counter(on_progress), Meter()
@@ -100,7 +100,7 @@ def read_rank_cooperative(
     size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
     with ExitStack() as stack:
         # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
-        ready = stack.enter_context(_ready_map(node.load_id, sched, mine)) if options.stripe_readers else None
+        ready = stack.enter_context(_ready_map(node_read.load_id, sched, mine)) if options.stripe_readers else None
         sources = stack.enter_context(open_planned_files(plan, sorted(files), opened=sources))
         _check_local(plan, sources)
         readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))

@@ -18,8 +18,8 @@ largest that fits the budget, at most the rank's stripe count; at least 1 is nee
 `staging_buffers` (depth).
 
 Stripes are read with plain buffered positional reads (one request per stripe) through the storage
-`Source`. O_DIRECT works on this machine's ext4 /tmp, but measured on 256 MiB files evicted from the page
-cache it was not faster than buffered reads (0.5-2.4 GB/s either way, noisy), so it is not used.
+`Source`. O_DIRECT is not used: on files not in the page cache it read no faster than buffered reads, and it
+needs aligned buffers and offsets.
 """
 
 from __future__ import annotations
@@ -28,32 +28,16 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..core.options import ReaderOptions
-from ..core.plans import NodeSchedule, Plan, RankPlan, Stripe
-from ..core.schedule import Keep, rank_keeps
+from ..core.plans import NodeSchedule, RankPlan, Stripe
+from ..core.schedule import Keep, NodeRead, rank_keeps
 from ..errors import ConfigurationError
 from ..storage import open_planned_files, reading
 from .buffers import shard_buffers, shards_of
 from .collective import Exchange, collective_backend
 from .stats import Counter, Meter, Progress, ReadStats
-
-
-@dataclass(frozen=True)
-class ExchangeTask:
-    """What the driver gives every rank of a node for an exchanged load: the node's schedule, the rank plans
-    of all its ranks (in `schedule.ranks` order: a reader sends what each of them keeps), and the node's
-    meeting address (`exchange.node_address`, asked of one rank of the node)."""
-
-    schedule: NodeSchedule
-    plans: tuple[RankPlan, ...]
-    address: str
-
-    @classmethod
-    def of(cls, plan: Plan, schedule: NodeSchedule, address: str) -> ExchangeTask:
-        return cls(schedule, tuple(plan.ranks[r] for r in schedule.ranks), address)
 
 
 class KeptRows(NamedTuple):
@@ -142,16 +126,16 @@ def read_rank_exchanged(
     plan: RankPlan,
     device: str = "cpu",
     *,
-    node: ExchangeTask,
+    node_read: NodeRead,
     options: ReaderOptions = ReaderOptions(),
     on_progress: Progress | None = None,
     out: Mapping | None = None,
     sources: Mapping | None = None,
     exchange: Exchange | None = None,
 ) -> tuple[dict, ReadStats]:
-    """Load `plan`'s shards on `device` cooperatively with the other ranks of its node (`node`); returns
-    ({name: tensor}, stats). Every rank of the node must call it with the same `node` at about the same
-    time, each in its own process.
+    """Load `plan`'s shards on `device` cooperatively with the other ranks of its node (`node_read`, with the plans
+    of all of them: `raylazy.io.backends.node_read`); returns ({name: tensor}, stats). Every rank of the node must
+    call it with the same `node_read` at about the same time, each in its own process.
 
     The exchange runs over gloo for device "cpu" and NCCL for CUDA devices. `options`: `threads` threads
     read stripes; staging stays within `staging_budget` bytes; a peer that does not answer for
@@ -159,23 +143,24 @@ def read_rank_exchanged(
     (PeerFailedError on the others); no partial shard is returned. `out` and `sources` as for the other readers
     (`raylazy.io.ranged.read_rank_ranged`). `exchange`: the node's Exchange, open already (its local ranks in
     `schedule.ranks` order) and left open, for a caller reading several plans in turn (the vLLM loader's
-    batches); without it, the ranks meet at `node.address` for this read.
+    batches); without it, the ranks meet at `node_read.address` for this read.
     """
     import torch
 
-    sched = node.schedule
-    if plan.rank not in sched.ranks or tuple(p.rank for p in node.plans) != tuple(sched.ranks):
+    sched = node_read.schedule
+    if plan.rank not in sched.ranks or tuple(p.rank for p in node_read.plans) != tuple(sched.ranks):
         raise ConfigurationError(f"rank {plan.rank}: node {sched.node!r} has ranks {list(sched.ranks)} and plans for "
-                                 f"{[p.rank for p in node.plans]}: give the node's plans in its ranks' order")
+                                 f"{[p.rank for p in node_read.plans]}: give the node's plans in its ranks' order "
+                                 "(raylazy.io.backends.node_read)")
     dev = torch.device(device)
     stats, counter, meter = ReadStats(backend="exchange", device=str(dev)), Counter(on_progress), Meter()
-    rounds = NodeRounds(node.plans, sched)
+    rounds = NodeRounds(node_read.plans, sched)
     me = sched.ranks.index(plan.rank)
     depth, size, _ = rounds.staging(me, options.staging_budget, dev.type != "cpu")
     buffers = shard_buffers(torch, plan, dev, out)
     steps = _RankRounds(torch, rounds, me, [flat for flat, _ in buffers], dev, stats, counter)
     files = sorted({sched.stripes[s].file for s in rounds.own[me]})
-    group = collective_backend(device), me, len(sched.ranks), node.address, options.stripe_timeout_s, str(dev)
+    group = collective_backend(device), me, len(sched.ranks), node_read.address, options.stripe_timeout_s, str(dev)
     with open_planned_files(plan, files, options.storage_options, sources) as sources, \
             (nullcontext(exchange) if exchange else Exchange(*group)) as ex, \
             _StripeReader(torch, options.threads, sources, sched.stripes, rounds.own[me], depth, size,

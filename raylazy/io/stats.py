@@ -30,7 +30,7 @@ class ReadStats:
     #: Bytes of the rank's shards that other ranks of its node read (cooperative and exchange reads): kept from
     #: their stripes through the page cache, or received over the exchange.
     bytes_received: int = 0
-    #: Bytes of shards copied from the rank with the same coordinates in a live replica (`raylazy.cluster.replicas`),
+    #: Bytes of shards copied from the rank with the same coordinates in a live replica (`raylazy.cluster.loading`),
     #: instead of reading them from storage (`bytes_read` is then 0).
     bytes_from_replica: int = 0
     #: Read requests to storage as planned, not measured: contiguous byte ranges (however the reader splits them

@@ -1,0 +1,247 @@
+"""A load on the driver, start to finish: `Load` owns the rank group, the options, whether the ranks fill new
+shards or the ones they hold (a reload) and the one deadline of every step after placement. Its steps, in
+`Load.run`: plan, wait until the ranks are placed and started, replica 0's ranks read from storage (each with its
+backend, and its node's `NodeRead` where it reads with its node), the other replicas copy from a live replica
+(`raylazy.cluster.receive` in the receiving rank), and ranks whose copy failed read from storage instead."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+from ..core.mesh import Coord, Mesh
+from ..core.options import LoadOptions, ReaderOptions
+from ..core.planner import with_replicas
+from ..core.plans import Plan, check_same_layout
+from ..core.rules import RulesLike
+from ..core.schedule import NodeRead, group_by_node, node_schedule
+from ..errors import ConfigurationError, PeerFailedError, RankFailedError, first_line
+from ..io.backends import NODE_BACKENDS, backend_for, check_backend, node_read
+from ..io.stats import ReadStats
+from ..planning import make_plan
+from .actor import RankLoader
+from .bundles import check_placeable, rank_bundles, stage_strategy
+from .group import Deadline, RankGroup, cause
+
+log = logging.getLogger("raylazy")
+
+
+class Load:
+    """One load (new shards) or reload (`held`: the plan of the shards the ranks hold, filled in place) by `group`
+    with `options`. `deadline` (`options.timeout_s`) starts once the group is placed and bounds every step after.
+
+    `Load.start` makes the group of a new load; `run` does the steps and returns the plan as read (with replica 0's
+    node schedules, if any) and every rank's ReadStats."""
+
+    def __init__(self, group: RankGroup, options: LoadOptions, held: Plan | None = None):
+        self.group, self.options, self.held = group, options, held
+        self.what = "load" if held is None else "reload"  # what a failure says failed
+        self.deadline: Deadline | None = None  # set once the ranks are placed
+
+    @classmethod
+    def start(cls, options: LoadOptions, own_ray: bool, actor_cls: type = RankLoader,
+              actors: list | None = None) -> Load:
+        """A new load's group: the caller's `actors` made ranks, else one bundle per rank (a placement group per
+        pipeline stage of each replica), checked against the cluster first, its `actor_cls` actors starting
+        (importing torch) while the driver plans."""
+        place, mesh = options.placement, options.plan.mesh
+        if actors is not None:
+            if actor_cls is not RankLoader:
+                raise ConfigurationError("give actors= (your own rank actors) or actor_cls= (the class raylazy "
+                                         "starts), not both")
+            if len(actors) != mesh.size:
+                raise ConfigurationError(f"actors= gives {len(actors)} actor(s) for {mesh.size} rank(s): "
+                                         "give one per rank")
+            group = RankGroup.adopt(actors, place.device)
+        else:
+            bundles = rank_bundles(mesh.size, place, own_ray)
+            groups = mesh.size // mesh.tp if mesh.pp > 1 else 1
+            strategy = stage_strategy(bundles, place, groups)
+            check_placeable(bundles, strategy, place.autoscale, groups)
+            group = RankGroup.create(bundles, place.device, strategy, place.max_retries, actor_cls, groups)
+        return cls(group, options)
+
+    def run(self, model_dir: str | os.PathLike | None, rules: RulesLike | None = None,
+            source=None) -> tuple[Plan, list[ReadStats]]:
+        """Plan `model_dir` with `rules` (or copy `source`'s plan: a live LoadedModel every rank copies from), wait
+        until the ranks are ready, read replica 0 from storage, copy the others; a failure releases the group of
+        a new load (a reload keeps its ranks: those that did not fail hold the new checkpoint)."""
+        try:
+            plan = self._plan(model_dir, rules, source)
+            self._ready()
+            read = []
+            if source is None:
+                plan, read = self._read(plan)
+            return plan, self._copy(plan, read, source)
+        except BaseException:
+            if self.held is None:
+                self.group.release()
+            raise
+
+    def _plan(self, model_dir, rules: RulesLike | None, source) -> Plan:
+        """The plan, from headers, checked for the backend and a reload's layout (before any byte is written)."""
+        opts = self.options
+        plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
+                else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
+        check_backend(opts.reader.backend, plan.ranks)
+        if self.held is not None:
+            check_same_layout(self.held, plan)
+        return plan
+
+    def _ready(self) -> None:
+        """Wait for a new load's placement, then start the deadline and ask every rank where it runs (a rank Ray
+        restarted since the last load may be on another node now)."""
+        if self.held is None:
+            self.group.wait_placed(self.options.placement.placement_timeout_s)
+        self.deadline = Deadline(self.options.timeout_s)
+        self.group.refresh(self.deadline, "start" if self.held is None else self.what)
+
+    def _read(self, plan: Plan) -> tuple[Plan, list[ReadStats]]:
+        """Replica 0's ranks read their shards from storage, each with its backend and, reading with its node, the
+        node's NodeRead; returns the plan with their nodes' schedules and their ReadStats."""
+        import ray
+
+        first = plan.mesh.size // plan.mesh.dp
+        ranks = self.group.ranks[:first]
+        nodes = group_by_node([r.node_id for r in ranks])
+        readers = [rank_reader(self.options.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
+        if any(r.backend in NODE_BACKENDS for r in readers):
+            stripe = self.options.reader.stripe_bytes
+            plan = plan.model_copy(update={"nodes": tuple(node_schedule(plan, peers, node, stripe)
+                                                          for node, peers in nodes.nodes.items())})
+        load_id = uuid.uuid4().hex[:16]
+        reads = self._node_reads(plan, readers, load_id)
+        calls = [self._read_call(r, plan, readers[r], reads[r]) for r in range(first)]
+        try:
+            return plan, self._wait_reads(calls, plan)
+        except BaseException:
+            # cooperative stripe readers that died never counted themselves done: the ranks alive remove the
+            # node's ready map (from /dev/shm); best effort, a few seconds at most
+            if self.options.reader.stripe_readers and plan.nodes:
+                forgot = [a.forget_load.remote(load_id) for a in self.group.actors]
+                ray.wait(forgot, num_returns=len(forgot), timeout=5)
+            raise
+
+    def _node_reads(self, plan: Plan, readers: list[ReaderOptions], load_id: str) -> list:
+        """Per rank, the NodeRead of its node (one per node, put in the object store once for all its ranks), or
+        None for a rank reading alone; an exchanging node's meeting address is asked of its first rank."""
+        import ray
+
+        backends = {plan.node_of(r).node: rd.backend for r, rd in enumerate(readers) if rd.backend in NODE_BACKENDS}
+        meet = [n for n in plan.nodes if backends.get(n.node) == "exchange"]
+        asked = self.group.gather([self.group.actors[n.ranks[0]].exchange_address.remote() for n in meet],
+                                  self.deadline, "exchange address")
+        addresses = {n.node: a for n, a in zip(meet, asked)}
+        shared = {n.node: ray.put(node_read(backends[n.node], plan, n, load_id, addresses.get(n.node, "")))
+                  for n in plan.nodes if n.node in backends}
+        return [shared[plan.node_of(r).node] if rd.backend in NODE_BACKENDS else None for r, rd in enumerate(readers)]
+
+    def _read_call(self, rank: int, plan: Plan, reader: ReaderOptions, read: NodeRead | None = None):
+        """Rank `rank` reads its plan: into new shards (`load`) or the ones it holds (`reload`)."""
+        actor = self.group.actors[rank]
+        return (actor.load if self.held is None else actor.reload).remote(plan.ranks[rank], reader, read)
+
+    def _wait_reads(self, calls: list, plan: Plan) -> list[ReadStats]:
+        """Gather the ranks' reads within the deadline (a failure is one RankFailedError), with a progress bar of
+        the bytes they report when asked for (`options.progress`; default: when stderr is a terminal)."""
+        import ray
+
+        show = self.options.progress if self.options.progress is not None else sys.stderr.isatty()
+        if not show:
+            return self.group.gather(calls, self.deadline, self.what)
+        from tqdm import tqdm
+
+        with tqdm(total=sum(p.stats.bytes_needed for p in plan.ranks[:len(calls)]), unit="B", unit_scale=True,
+                  desc=f"raylazy tp={plan.tp}", file=sys.stderr) as bar:
+            while self.deadline.left():
+                ready, _ = ray.wait(calls, num_returns=len(calls), timeout=min(0.25, self.deadline.left()))
+                try:
+                    done = sum(ray.get([a.progress.remote() for a in self.group.actors], timeout=5))
+                except Exception:  # noqa: BLE001  (a dead rank: gather reports it below)
+                    break
+                bar.update(done - bar.n)  # the ranks' own count, also after the last read: the bar is never forced full
+                if len(ready) == len(calls):
+                    break
+            return self.group.gather(calls, self.deadline, self.what)
+
+    def _copy(self, plan: Plan, read: list[ReadStats], source) -> list[ReadStats]:
+        """The ranks after those that `read` from storage copy their shards from a live replica's rank with their
+        coordinates (in `source`, a live LoadedModel, else in replica 0), into the shards they hold for a reload;
+        those whose copy fails read from storage instead. Returns every rank's ReadStats."""
+        import ray
+
+        first = len(read)
+        ranks = range(first, plan.mesh.size)
+        if not ranks:
+            return read
+        feeding = source.group if source is not None else self.group
+        src_mesh, src_replicas = (source.plan.mesh, source.plan.mesh.dp) if source is not None else (plan.mesh, 1)
+        feeds = [source_rank(src_mesh, plan.mesh.coord(r), src_replicas) for r in ranks]
+        devices = {feeding.ranks[s].device for s in feeds} | {self.group.ranks[r].device for r in ranks}
+        transport = peer_transport(self.options.peer_transport,
+                                   "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
+        refs = {r: self.group.actors[r].receive.remote(feeding.actors[s], plan.ranks[r], self.options.reader, transport,
+                                                       self.held is not None) for r, s in zip(ranks, feeds)}
+        _, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.deadline.left())
+        if late:
+            raise RankFailedError({r: self.deadline.missed("copying shards from a live replica")
+                                   for r, ref in refs.items() if ref in late}, self.what)
+        stats, failed = dict(enumerate(read)), {}
+        for r, ref in refs.items():
+            try:
+                stats[r] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001  (a failed copy: read from storage instead)
+                failed[r] = cause(e)
+        if failed:
+            # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
+            again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
+            stats.update(self._read_instead(plan, again, failed))
+        return [stats[r] for r in range(plan.mesh.size)]
+
+    def _read_instead(self, plan: Plan, ranks: list[int], failed: dict) -> dict:
+        """Ranks whose copy from a live replica failed read their shards from storage, each alone; when that fails
+        too (the checkpoint is gone), one PeerFailedError naming both causes. Returns rank -> ReadStats."""
+        first = next(iter(failed.values()))
+        log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s "
+                    "from storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)),
+                    plan.root)
+        try:  # without a NodeRead each rank reads alone (`read_rank`: node backends read ranged)
+            stats = self.group.gather([self._read_call(r, plan, self.options.reader) for r in ranks], self.deadline,
+                                      f"{self.what} from storage")
+        except RankFailedError as e:
+            cause = next(iter(e.failures.values()))
+            raise PeerFailedError(
+                f"rank(s) {', '.join(map(str, failed))} could not copy their shards from a live replica "
+                f"({type(first).__name__}: {first}), and reading them from storage ({plan.root}) failed too "
+                f"({type(cause).__name__}: {first_line(cause)}): load "
+                "again from another live replica, or from storage once the checkpoint is reachable") from e
+        return dict(zip(ranks, stats))
+
+
+def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = ()) -> ReaderOptions:
+    """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
+    sharing its node with other ranks must not use GDS."""
+    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files)})
+    if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
+        return reader.model_copy(update={"nogds": True})
+    return reader
+
+
+def source_rank(mesh: Mesh, coord: Coord, replicas: int) -> int:
+    """The rank of `mesh` that rank `coord` copies from: the same stage and tp rank, in replica
+    `coord.replica % replicas` (receivers spread over the first `replicas` replicas that hold shards)."""
+    return mesh.rank(dp=coord.replica % replicas, pp=coord.stage, tp=coord.tp_rank)
+
+
+def peer_transport(option: str, device: str) -> str:
+    """The transport for copying shards on `device`: "auto" is the object store on the CPU, NCCL on a GPU;
+    one that cannot carry the device is refused."""
+    cuda = device.startswith("cuda")
+    if option == "auto":
+        return "nccl" if cuda else "object_store"
+    if (option == "nccl" and not cuda) or (option == "gloo" and cuda):
+        raise ConfigurationError(f"peer_transport={option!r} cannot carry shards on {device}: use 'auto', "
+                                 f"'object_store' or {'nccl' if cuda else 'gloo'!r}")
+    return option
