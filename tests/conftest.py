@@ -61,8 +61,8 @@ def ray_local():
     """A local Ray shared by the whole session, shut down at its end.
 
     A test that needs a cluster of its own must `ray.shutdown()` this one and, when
-    done, start it again with `ray.init(**LOCAL_RAY_INIT)` (see test_load.py's
-    multi-node tests), so later users of this fixture still find it running.
+    done, start it again with `ray.init(**LOCAL_RAY_INIT)`, so later users of this
+    fixture still find it running (`two_node_cluster` need not: its tests run last).
     """
     import logging
 
@@ -76,37 +76,41 @@ def ray_local():
         ray.shutdown()
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture(scope="session")
 def two_node_cluster(llama_dir):
-    """Two Ray nodes on this machine, each with 2 CPUs and 2 logical GPUs, for one test class (the session's
-    `ray_local` is shut down meanwhile and started again after)."""
+    """Two Ray nodes on this machine, each with 2 CPUs and 2 logical GPUs, shared by every test that asks for it.
+
+    Those tests run last (`pytest_collection_modifyitems` below), so the cluster starts once and the session's
+    `ray_local`, shut down for it, need not start again (a cluster start, its stop and a local Ray start per
+    test class were some of the longest waits of the suite).
+    """
     import logging
 
     import ray
-    from ray.cluster_utils import Cluster
+    from raytest import start_cluster, stop_cluster
 
-    had_local = ray.is_initialized()
-    if had_local:  # the session's ray_local: this class needs a cluster of its own
+    if ray.is_initialized():  # the session's ray_local: these tests need a cluster of their own
         ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         # Loopback only: the variable for the Ray processes started below; Ray read it into
         # ray_constants when this process imported ray, so that copy is patched too.
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args=dict(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1", include_dashboard=False),
-        )
+        cluster = start_cluster(dict(num_cpus=2, num_gpus=2, include_dashboard=False), [dict(num_cpus=2, num_gpus=2)])
         try:
-            cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
-            cluster.wait_for_nodes()
             ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
             yield cluster
         finally:
             ray.shutdown()
-            cluster.shutdown()
-    if had_local:
-        ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
+            stop_cluster(cluster)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture scope
+def pytest_collection_modifyitems(items):
+    """The tests on `two_node_cluster` run last, in their collected order: the cluster is started once for all of
+    them, and no test that wants the session's local Ray (`ray_local`) comes after it."""
+    items[:] = ([i for i in items if "two_node_cluster" not in i.fixturenames]
+                + [i for i in items if "two_node_cluster" in i.fixturenames])
 
 
 # --- object storage -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -234,18 +235,52 @@ def test_cluster_yaml_valid():
 # ---------------------------------------------------------------- the autoscaling experiment
 
 
-def _experiment(out_dir, *args: str, timeout: float = 420) -> tuple[subprocess.CompletedProcess, dict, float]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "autoscaling_experiment.py"), *args,
-                           "--out", str(out_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    elapsed = time.monotonic() - start
-    text = proc.stdout + proc.stderr
-    temp_dir = re.search(r"temp dir (\S+)\)", text)
-    assert temp_dir, text
-    assert not _processes_naming(temp_dir.group(1)), f"the fake cluster was not torn down:\n{text}"
-    with open(os.path.join(out_dir, "timeline.json")) as fh:
-        return proc, json.load(fh), elapsed
+class _Experiment:
+    """examples/autoscaling_experiment.py running in a child process, its output in files beside its `--out`."""
+
+    def __init__(self, out_dir, *args: str):
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.out_dir = str(out_dir)
+        self.start = time.monotonic()
+        self.stdout, self.stderr = self.out_dir + ".stdout", self.out_dir + ".stderr"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "autoscaling_experiment.py"), *args,
+                                          "--out", self.out_dir], cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+        self.ended: float | None = None  # when it exited, seen by a thread: the test may look later
+        self._waiter = threading.Thread(target=self._wait, daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.ended = time.monotonic()
+
+    def output(self) -> tuple[str, str]:
+        with open(self.stdout) as out, open(self.stderr) as err:
+            return out.read(), err.read()
+
+    def wait_head_up(self, timeout: float) -> None:
+        """Until its head is up (and so holds its ports: another fake cluster started now picks others)."""
+        deadline = time.monotonic() + timeout
+        while "head up in" not in self.output()[0]:
+            assert self.proc.poll() is None and time.monotonic() < deadline, "\n".join(self.output())
+            time.sleep(0.2)
+
+    def finish(self, timeout: float = 420) -> tuple[int, str, str, dict, float]:
+        """(exit status, stdout, stderr, timeline.json, seconds from its start to its exit), once it has exited
+        (by `timeout` seconds from its start, else it is stopped) and its fake cluster is gone."""
+        self._waiter.join(max(1.0, self.start + timeout - time.monotonic()))
+        if self.ended is None:
+            self.proc.terminate()  # SIGTERM: the script still tears its cluster down
+            self._waiter.join(60)
+        assert self.ended is not None, f"the experiment did not finish within {timeout:.0f} s"
+        rc, elapsed = self.proc.returncode, self.ended - self.start
+        stdout, stderr = self.output()
+        text = stdout + stderr
+        temp_dir = re.search(r"temp dir (\S+)\)", text)
+        assert temp_dir, text
+        assert not _processes_naming(temp_dir.group(1)), f"the fake cluster was not torn down:\n{text}"
+        with open(os.path.join(self.out_dir, "timeline.json")) as fh:
+            return rc, stdout, stderr, json.load(fh), elapsed
 
 
 def _processes_naming(tag: str) -> list[int]:
@@ -270,12 +305,20 @@ def test_autoscaling_reduced(tmp_path):
     from storage; a request the cluster can never hold (tp=2, one 1-GPU node at most) fails with raylazy's
     PlacementError once the timeout has passed, not a hang."""
     model_dir = _tiny_llama(tmp_path / "model")
-
-    proc, tl, _ = _experiment(tmp_path / "ok", model_dir, "--tp", "2", "--gpus-per-node", "1", "--max-workers", "4",
-                              "--timeout", "180")
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text
-    assert "raylazy: loaded" in proc.stdout and "total load time" in proc.stdout, text
+    # The two runs are side by side, each on a fake cluster of its own: the one that cannot be placed mostly
+    # waits out its timeout. It starts first, and the other once its head holds its ports.
+    timeout_s = 15
+    never = _Experiment(tmp_path / "never", model_dir, "--tp", "2", "--gpus-per-node", "1", "--max-workers", "1",
+                        "--timeout", str(timeout_s))
+    try:
+        never.wait_head_up(180)
+        rc, stdout, stderr, tl, _ = _Experiment(tmp_path / "ok", model_dir, "--tp", "2", "--gpus-per-node", "1",
+                                                "--max-workers", "4", "--timeout", "180").finish()
+    finally:
+        never_rc, never_stdout, never_stderr, never_tl, never_elapsed = never.finish()
+    text = stdout + stderr
+    assert rc == 0, text
+    assert "raylazy: loaded" in stdout and "total load time" in stdout, text
     assert os.path.getsize(tmp_path / "ok" / "timeline.png") > 1000
     workers = {n["node_id"]: n for n in tl["nodes"] if not n["head"]}
     assert len(workers) == 4 and all(n["gpus"] == 1 for n in workers.values()), tl
@@ -289,7 +332,7 @@ def test_autoscaling_reduced(tmp_path):
         assert r["started"] <= r["ready"] <= r["read_start"] <= r["read_end"] <= tl["load_seconds"], r
     # the second replica: on two nodes added for it, its shards copied from the first, nothing from storage
     second = tl["replica"]
-    assert "second replica, from the live one" in proc.stdout and "copied from live replicas" in proc.stdout, text
+    assert "second replica, from the live one" in stdout and "copied from live replicas" in stdout, text
     assert len(second["ranks"]) == 2 and second["start"] >= tl["load_seconds"], second
     first_nodes = {r["node_id"] for r in tl["ranks"]}
     for r in second["ranks"]:
@@ -300,13 +343,10 @@ def test_autoscaling_reduced(tmp_path):
         assert r["bytes_read"] == 0 and r["bytes_from_replica"] > 0, r
     assert sum(r["bytes_from_replica"] for r in second["ranks"]) == sum(r["bytes_read"] for r in tl["ranks"]), tl
 
-    timeout_s = 15
-    proc, tl, elapsed = _experiment(tmp_path / "never", model_dir, "--tp", "2", "--gpus-per-node", "1",
-                                    "--max-workers", "1", "--timeout", str(timeout_s))
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 2, text
-    assert "can never have more than 1" in proc.stdout, text               # said up front
-    assert "PlacementError: could not place 2 rank(s)" in proc.stderr, text
-    assert tl["error"].startswith("PlacementError") and not tl["ranks"], tl
-    assert timeout_s <= tl["load_seconds"] < timeout_s + 15, tl           # gave up at the timeout
-    assert elapsed < timeout_s + 150, elapsed                              # cluster start + timeout + teardown
+    text = never_stdout + never_stderr
+    assert never_rc == 2, text
+    assert "can never have more than 1" in never_stdout, text             # said up front
+    assert "PlacementError: could not place 2 rank(s)" in never_stderr, text
+    assert never_tl["error"].startswith("PlacementError") and not never_tl["ranks"], never_tl
+    assert timeout_s <= never_tl["load_seconds"] < timeout_s + 15, never_tl  # gave up at the timeout
+    assert never_elapsed < timeout_s + 150, never_elapsed                  # cluster start + timeout + teardown

@@ -4,9 +4,8 @@ placement across nodes, direct tensor transport, release and errors, progress.
 Costs: every Ray start and every actor start (an actor imports torch) takes seconds on a
 small machine, so the tests share clusters and loads:
 
-* `TestMultiNode` runs first, on a two-node `ray.cluster_utils.Cluster` of its own; if the
-  session's local Ray (`ray_local`) is already up it is shut down around the class and
-  started again afterwards.
+* `TestMultiNode` runs on the session's two-node `ray.cluster_utils.Cluster` (`two_node_cluster`,
+  shared with the other multi-node tests, which all run at the end of the session).
 * `TestShards` makes one load per (checkpoint, tp, backend), checked by several tests, then
   released, into the same four rank actors of its own (`load(actors=)`), started once.
 * The remaining tests use `ray_local` and load what they need (tp 1 or 2).
@@ -116,7 +115,7 @@ def truncating_loader(path: str, size: int) -> type:
     return TruncatingLoader
 
 
-# --- multi-node placement (its own two-node cluster) -----------------------------------------------
+# --- multi-node placement (the two-node cluster) ----------------------------------------------------
 
 
 @pytest.mark.ray

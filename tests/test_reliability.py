@@ -43,6 +43,8 @@ from raytest import (
     load_with,
     raylazy_actors,
     raylazy_groups,
+    start_cluster,
+    stop_cluster,
     wait_for,
     where_am_i,
 )
@@ -753,6 +755,12 @@ def _node_loss_load(cluster, model_dir: str, work: str, tp: int, timeout_s: floa
     return report
 
 
+#: The no-capacity load's timeout_s, which that scenario waits out. It bounds the load from placement on, so it
+#: must hold the actors' start (each imports torch, on two busy cores) and their reads up to the point where they
+#: block, with room to spare: the node is removed only once every rank blocks.
+NO_CAPACITY_TIMEOUT_S = 30
+
+
 def node_loss_scenarios(model_dir: str, work: str) -> dict:
     """Run in a fresh interpreter: a GPU-less head and three worker nodes (2 CPUs, 2 logical GPUs each).
 
@@ -760,24 +768,21 @@ def node_loss_scenarios(model_dir: str, work: str) -> dict:
     "no_capacity": then tp = every GPU left (two nodes), one is lost, nowhere to go.
     """
     import ray
-    from ray.cluster_utils import Cluster
 
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0", "set it before Ray is imported"
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, num_gpus=0, node_ip_address="127.0.0.1"))
+    c = start_cluster(dict(num_cpus=1, num_gpus=0), [dict(num_cpus=2, num_gpus=2)] * 3)
     try:
-        for _ in range(3):
-            c.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
-        c.wait_for_nodes()
         ray.init(address=c.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
         workers = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
         assert len(workers) == 3, workers
         results = {"spare": _node_loss_load(c, model_dir, os.path.join(work, "spare"), tp=4, timeout_s=180)}
         gpus = int(sum(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]))
-        results["no_capacity"] = _node_loss_load(c, model_dir, os.path.join(work, "full"), tp=gpus, timeout_s=45)
+        results["no_capacity"] = _node_loss_load(c, model_dir, os.path.join(work, "full"), tp=gpus,
+                                                 timeout_s=NO_CAPACITY_TIMEOUT_S)
         return results
     finally:
         ray.shutdown()
-        c.shutdown()
+        stop_cluster(c)
 
 
 @pytest.fixture(scope="module")
