@@ -7,6 +7,7 @@ read-only and copy one (shutil.copytree) before changing anything in it.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -41,6 +42,12 @@ def qwen2_dir(tmp_path_factory) -> str:
 def mixtral_dir(tmp_path_factory) -> str:
     """Mixtral with 4 experts (top-2), 8 query heads, 2 kv heads, bf16, several shards."""
     return _build(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture
+def llama_copy(llama_dir, tmp_path) -> str:
+    """A private copy of the llama checkpoint, free to break."""
+    return str(shutil.copytree(llama_dir, tmp_path / "llama"))
 
 
 @pytest.fixture(params=MODEL_FIXTURES)
