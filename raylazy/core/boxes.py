@@ -1,0 +1,98 @@
+"""Which byte ranges of a checkpoint tensor hold a box of it: the one geometry of reads, for the planner's shards
+(a slicing's pieces, `raylazy.core.planner`) and lazy weights' regions (`raylazy.integrations.lazy`), and the one
+rule of whether strided rows are read as one range with their gaps (`gathering`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from itertools import product
+
+from ..errors import PartialByteSliceError
+from .costs import CostModel
+from .dtypes import DTYPE_BITS
+from .header import TensorInfo
+from .plans import Read
+
+#: Whether `count` rows of `length` bytes, `stride` bytes apart, are read as one range with their gaps:
+#: `gather(length, stride, count)`.
+Gather = Callable[[int, int, int], bool]
+
+
+def gathering(max_gap: int | None, cost: CostModel | None) -> Gather:
+    """Strided rows read as one range where the gaps between them are at most `max_gap` bytes; with `max_gap`
+    None, where the storage's `cost` model estimates that sooner (object storage), else never (local files, where
+    a request costs little)."""
+    if max_gap is None and cost is not None:
+        return cost.gather
+    gap = max_gap or 0
+    return lambda length, stride, count: stride - length <= gap
+
+
+def box_reads(file: int, t: TensorInfo, starts: tuple[int, ...], sizes: tuple[int, ...], gather: Gather,
+              into: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> tuple[Read, ...]:
+    """The reads of the box `starts` .. `starts + sizes` of tensor `t` (in file `file`) into a row-major
+    destination: the box itself, or with `into` = (shape, starts) the box at `starts` of a destination of
+    `shape` (a shard that several pieces fill; dims the box does not cut have the tensor's size there).
+
+    After the last dim the box does not take whole (d), every run of the box is contiguous in the file and in
+    the destination; the runs over the whole dims between the last such dim before d (j) and d lie one stride
+    apart, so each index of the dims before j is one Read of `count` rows, `gather` saying whether they come as
+    one range. A PartialByteSliceError where a sub-byte tensor's run does not start and end on whole bytes."""
+    shape, step = t.shape, DTYPE_BITS[t.dtype]
+    out, at = into or (sizes, None)
+    d = len(shape) - 1
+    while d >= 0 and sizes[d] == shape[d] == out[d]:
+        step *= shape[d]
+        d -= 1
+    if d < 0:  # the whole tensor, into all of the destination
+        return (Read(file, t.start, t.end - t.start, 0),) if t.end > t.start else ()
+    if 0 in sizes:
+        return ()
+    # bits between consecutive indices of dims d, d - 1, ... in the tensor and in the destination (the dims after
+    # d are whole in both, so one index of d is `step` bits in both)
+    src_steps, dst_steps = [step] * (d + 1), [step] * (d + 1)
+    for k in range(d - 1, -1, -1):
+        src_steps[k], dst_steps[k] = src_steps[k + 1] * shape[k + 1], dst_steps[k + 1] * out[k + 1]
+    j, count = d - 1, 1
+    while j > 0 and sizes[j] == shape[j] == out[j]:
+        count *= sizes[j]
+        j -= 1
+    j = max(j, 0)
+    if d:
+        count *= sizes[j]
+    run, stride, dst_stride = sizes[d] * step, src_steps[d - 1] if d else 0, dst_steps[d - 1] if d else 0
+    src = dst = 0
+    for k in range(d + 1):
+        src += starts[k] * src_steps[k]
+        dst += at[k] * dst_steps[k] if at else 0
+    if not j:  # one Read
+        return (_read(file, t, starts, sizes, src, dst, run, count, stride, dst_stride, gather),)
+    return tuple(_read(file, t, starts, sizes, src + sum(i * n for i, n in zip(outer, src_steps)),
+                       dst + sum(i * n for i, n in zip(outer, dst_steps)), run, count, stride, dst_stride, gather)
+                 for outer in _indices(sizes[:j]))
+
+
+def _read(file: int, t: TensorInfo, starts, sizes, src: int, dst: int, run: int, count: int, stride: int,
+          dst_stride: int, gather: Gather) -> Read:
+    """One Read of `count` runs of `run` bits at tensor bit `src` (`stride` apart) -> destination bit `dst`."""
+    if (src | run | dst | ((stride | dst_stride) if count > 1 else 0)) % 8:
+        raise PartialByteSliceError(f"{_describe(starts, sizes, t.shape)} of {t.dtype} {list(t.shape)} does not "
+                                    "start and end on whole bytes")
+    if count == 1:
+        return Read(file, t.start + src // 8, run // 8, dst // 8)
+    return Read(file, t.start + src // 8, run // 8, dst // 8, count, stride // 8, dst_stride // 8,
+                gather(run // 8, stride // 8, count))
+
+
+def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Every index of a box of `sizes`, in row-major order (one empty index for no dims)."""
+    return product(*map(range, sizes))
+
+
+def _describe(starts: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """`the slice [a:b] along dim d` (one dim cut), else `the box [a:b, :, ...]`."""
+    cut = [k for k, (n, full) in enumerate(zip(sizes, shape)) if n != full]
+    if len(cut) == 1:
+        return f"the slice [{starts[cut[0]]}:{starts[cut[0]] + sizes[cut[0]]}] along dim {cut[0]}"
+    return "the box [" + ", ".join(f"{a}:{a + n}" if k in cut else ":" for k, (a, n) in
+                                   enumerate(zip(starts, sizes))) + "]"
