@@ -1,7 +1,7 @@
 """Reading the regions a run of lazy weights took (`raylazy.integrations.lazy`) with raylazy's readers, in batches
 on a background thread, and handing them out: to a replay of the run's deferred copies, or to a second run.
 
-`Reads` reads regions of one checkpoint: its files are opened and checked against their headers once, on first
+`RegionReader` reads regions of one checkpoint: its files are opened and checked against their headers once, on first
 use, and kept open for every read of the load. Each region is one shard of a rank plan (its box, read exactly);
 fastsafetensors, which reads whole tensors, gets each tensor once and the regions are cut from it.
 
@@ -20,62 +20,29 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from math import prod
 from typing import Protocol
 
 import torch
 
+from ..core.boxes import gathering
 from ..core.checkpoint import Checkpoint
-from ..core.dtypes import itemsize, torch_dtype
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeTask, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, read_rank, solo_backend
 from ..io.collective import Exchange, collective_backend, node_address
 from ..io.exchange import ExchangeTask, read_rank_exchanged
-from ..io.stats import ReadStats
 from ..storage import open_planned, storage_for
-from .lazy import Copy, LazyOptions, LazyWeight, Region, extent
+from .lazy import LazyWeight, Region
+from .options import LazyOptions
+from .recording import Copy, overlapping
+from .report import LazyStats
 
 
-@dataclass
-class LazyStats:
-    """What serving a run took. Counted: `regions` and `bytes_needed` (the distinct regions wanted, their bytes),
-    `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
-    follow took, read at once as far as narrowed; `whole_opaque`: of whole tensors), `unplanned_*` (regions a
-    second run took that the first did not). Planned (the readers' plan or node schedule arithmetic, not
-    measured): `planned_bytes_read`, `planned_requests`, `node_bytes` (the node's union, once). Measured:
-    `received_bytes` (from the node's other processes), `read_seconds`."""
-
-    backend: str = "ranged"
-    node_processes: int = 1
-    regions: int = 0
-    bytes_needed: int = 0
-    in_place_bytes: int = 0
-    planned_bytes_read: int = 0
-    planned_requests: int = 0
-    node_bytes: int = 0
-    received_bytes: int = 0
-    batches: int = 0
-    read_seconds: float = 0.0
-    opaque_regions: int = 0
-    opaque_bytes: int = 0
-    whole_opaque: int = 0
-    unplanned_regions: int = 0
-    unplanned_bytes: int = 0
-
-    def add_read(self, stats: ReadStats) -> None:
-        self.planned_bytes_read += stats.bytes_read
-        self.planned_requests += stats.requests
-        self.received_bytes += stats.bytes_received
-        self.read_seconds += stats.seconds
-
-
-class Reads:
+class RegionReader:
     """Regions of one checkpoint read with raylazy's readers; use as a context manager (it holds the files open).
     Every read's statistics add up in `stats`."""
 
@@ -86,10 +53,10 @@ class Reads:
         self._sources: dict[int, object] = {}
         self._lock = threading.Lock()
         self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
-        self._cost = None if options.max_gap is not None else \
-            storage_for(ckpt.root, options.reader.storage_options).cost_model()
+        self._gather = gathering(options.max_gap, None if options.max_gap is not None else
+                                 storage_for(ckpt.root, options.reader.storage_options).cost_model())
 
-    def __enter__(self) -> Reads:
+    def __enter__(self) -> RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -106,15 +73,8 @@ class Reads:
             return {f: self._sources[f] for f in files}
 
     def shard(self, region: Region, name: str):
-        """The plan entry reading `region` (what the tests' broken loader overrides)."""
+        """The plan entry reading `region`."""
         return region.shard(name, self._gather, self.ckpt.files[region.file].path)
-
-    def _gather(self, length: int, stride: int, count: int) -> bool:
-        """Strided rows read as one range: as `max_gap` says, or where it is None, as the storage's cost model
-        estimates sooner (object storage), or never (local files, where a request costs little)."""
-        if self._cost is not None:
-            return self._cost.gather(length, stride, count)
-        return stride - length <= (self.options.max_gap or 0)
 
     def rank_plan(self, rank: int, regions: list[Region], mesh: Mesh = Mesh()) -> RankPlan:
         """Rank `rank`'s plan for `regions`: one shard each, named after its tensor and box."""
@@ -242,7 +202,7 @@ class Serving:
     beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context manager:
     leaving it stops the reader."""
 
-    def __init__(self, reads: Reads, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
+    def __init__(self, reads: RegionReader, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
                  group: NodeGroup | None = None, device: str | torch.device = "cpu"):
         self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
         self._left, self._out = dict(takes), dict(out or {})
@@ -364,14 +324,14 @@ class Serving:
         return self._ready.pop(region)
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
-        return _copy(dst, weight.view.of(self.take(weight.region), weight.region.sizes))
+        return _copy(dst, weight.lens.of(self.take(weight.region), weight.region.sizes))
 
     def replay(self, copies: list[Copy]) -> None:
         """Do the recorded copies: in batch order where no two destinations overlap, else in the order recorded."""
-        if not _overlapping([c.dst for c in copies]):
+        if not overlapping([c.dst for c in copies]):
             copies = sorted(copies, key=lambda c: self._batch_of[c.region])
         for c in copies:
-            _copy(c.dst, c.view.of(self.take(c.region), c.region.sizes))
+            _copy(c.dst, c.lens.of(self.take(c.region), c.region.sizes))
 
 
 class _Stopped(Exception):
@@ -397,35 +357,3 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             or src.dtype != dst.dtype:
         dst.copy_(src)
     return dst
-
-
-def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
-    """Indices of the tensors whose memory overlaps another's."""
-    spans = sorted((extent(t), i) for i, t in enumerate(tensors) if t.numel())
-    hit: set[int] = set()
-    for ((k1, _, e1), i), ((k2, s2, _), j) in zip(spans, spans[1:]):
-        if k1 == k2 and s2 < e1:
-            hit |= {i, j}
-    return hit
-
-
-def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Tensor]:
-    """The regions a replay can read straight into a destination: the first copy of each region whose
-    destination holds the box's bytes in their order (contiguous, its dtype, on `device`) and overlaps no
-    other destination. {region: the destination viewed with the box's sizes}."""
-    shared = _overlapping([c.dst for c in copies])
-    out: dict[Region, torch.Tensor] = {}
-    for i, c in enumerate(copies):
-        stored = torch_dtype(c.region.tensor.dtype)
-        if c.region in out or i in shared or itemsize(c.region.tensor.dtype) is None or not c.view.in_order:
-            continue
-        d = c.dst
-        if (c.view.dtype or stored) == stored == d.dtype and c.view.device in (None, d.device) and \
-                d.device == device and d.is_contiguous() and d.numel() == prod(c.region.sizes):
-            out[c.region] = d.view(c.region.sizes)
-    return out
-
-
-def wanted(copies: list[Copy], opaque: dict[Region, int] | None = None) -> dict[Region, int]:
-    """Region -> takes, of a replay of `copies` (and of a second run that also takes `opaque` again)."""
-    return dict(Counter(c.region for c in copies) + Counter(opaque or {}))

@@ -10,7 +10,7 @@ pipeline stage's layers), then reads those regions with raylazy's readers and do
 second time and gets the regions' real bytes. The workers of a node read the union of their regions together
 (cooperative through the page cache on CPUs, the exchange on GPUs and for object storage), unless the options
 say `backend="ranged"` or `"fastsafetensors"`. Options come from `model_loader_extra_config` (`LazyOptions`).
-Each worker logs one line (`_summary`; its fields: docs/vllm.md).
+Each worker logs one line (`raylazy.integrations.report.summary`; its fields: docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..core.checkpoint import Checkpoint
-from ..core.plans import format_bytes
 from ..io.stats import Meter
 from ..storage import open_checkpoint
-from .lazy import LazyOptions, Recording, lazy_options, lazy_weights
-from .serving import LazyStats, NodeGroup, Reads, Serving, in_place, wanted
+from .lazy import lazy_weights
+from .options import LazyOptions, lazy_options
+from .recording import Recording, in_place, wanted
+from .report import summary
+from .serving import NodeGroup, RegionReader, Serving
 
 logger = init_logger("vllm.raylazy")
 
@@ -48,7 +50,7 @@ def register() -> None:
 
 
 def _accept_object_storage() -> None:
-    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check. vLLM (0.32) fetches an
+    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check. vLLM fetches an
     object-storage model's config files, keeps the URI in `model_config.model_weights`, then refuses every load
     format but its own object-storage ones (`VllmConfig.try_verify_and_update_config`: "To load a model from
     object storage (S3/GCS/Azure), 'load_format' must be 'modelexpress', 'runai_streamer' or
@@ -91,7 +93,7 @@ class RaylazyModelLoader(BaseModelLoader):
         meter = Meter()
         ckpt = _checkpoint(model_config, self.options)
         device = next(model.parameters()).device
-        with self.reads(ckpt) as reads:
+        with RegionReader(ckpt, self.options) as reads:
             recording = Recording(reads.read_alone)
             with recording.watching():
                 loaded = model.load_weights(lazy_weights(ckpt, recording))
@@ -110,15 +112,12 @@ class RaylazyModelLoader(BaseModelLoader):
         s.whole_opaque = sum(r.sizes == r.tensor.shape for r in recording.opaque)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         seconds, rchar = meter.elapsed()
-        logger.info(_summary(_rank(), s, ckpt, params, "replay" if replay else "rerun",
-                             recording.why_not_replayable, rchar, seconds))
+        logger.info(summary(_rank(), s, ckpt.nbytes, params, "replay" if replay else "rerun",
+                            recording.why_not_replayable, rchar, seconds))
         if model_config.quantization is None and loaded is not None:
-            # the check vLLM's default loader makes: every parameter was loaded from the checkpoint
-            DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded)
-
-    def reads(self, ckpt: Checkpoint) -> Reads:
-        """What reads the worker's regions (the tests' broken loader, tests/vllm/peer_loader.py, overrides it)."""
-        return Reads(ckpt, self.options)
+            # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
+            # loader: it reads nothing of a loader but what every BaseModelLoader has
+            DefaultModelLoader.track_weights_loading(self, model, loaded)
 
 
 def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
@@ -158,25 +157,3 @@ def _workers() -> NodeGroup | None:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _summary(rank: int, s: LazyStats, ckpt: Checkpoint, params: int, mode: str, why: str, rchar: int | None,
-             seconds: float) -> str:
-    """The worker's log line: words, then the numbers as key=value (tests and scripts parse those; docs/vllm.md
-    says which are measured, which counted and which planned)."""
-    node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""
-    return (
-        f"raylazy: rank {rank} needed {format_bytes(s.bytes_needed)} (its parameters {format_bytes(params)}; the "
-        f"checkpoint holds {format_bytes(ckpt.nbytes)}), read {format_bytes(s.planned_bytes_read)} as planned"
-        f"{node} with {s.backend} in {s.batches} batch(es) ({format_bytes(s.in_place_bytes)} in place), "
-        f"{s.read_seconds:.2f} s reading, {seconds:.2f} s in all, {mode}"
-        f"{' (' + why + ')' if why else ''}; {s.opaque_regions} region(s) ({format_bytes(s.opaque_bytes)}) "
-        f"read at once for ops raylazy cannot follow; {s.unplanned_regions} region(s) taken only on the second run "
-        f"[rank={rank} backend={s.backend} mode={mode} node_processes={s.node_processes} param_bytes={params} "
-        f"bytes_needed={s.bytes_needed} in_place_bytes={s.in_place_bytes} checkpoint_bytes={ckpt.nbytes} "
-        f"planned_bytes_read={s.planned_bytes_read} planned_requests={s.planned_requests} node_bytes={s.node_bytes} "
-        f"received_bytes={s.received_bytes} rchar={'-' if rchar is None else rchar} batches={s.batches} "
-        f"opaque_regions={s.opaque_regions} opaque_bytes={s.opaque_bytes} whole_opaque={s.whole_opaque} "
-        f"unplanned_regions={s.unplanned_regions} unplanned_bytes={s.unplanned_bytes} "
-        f"read_seconds={s.read_seconds:.3f} seconds={seconds:.3f}]"
-    )
