@@ -14,6 +14,7 @@ from raylazy.errors import ConfigurationError, FileChangedError
 from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, in_place, wanted
+from raylazy.integrations.report import LazyStats, fields, summary
 from raylazy.integrations.serving import RegionReader, Serving
 from raylazy.storage import open_checkpoint, verified
 
@@ -337,3 +338,20 @@ def test_view_is_torch_view(llama_dir):
         assert torch.equal(got, t.narrow(0, 0, 4).view(2, -1, t.shape[1]))
         assert [(r.starts, r.sizes) for r in rec.opaque] == [((0, 0), (4, t.shape[1]))]
         assert torch.equal(w.view(torch.int16), t.view(torch.int16))
+
+
+def test_log_line_numbers_read_back():
+    """The worker's log line (what the vLLM tests and benchmarks read): every number `summary` writes, `fields`
+    reads back as written, behind the log prefix vLLM puts before it; a line of another kind is None."""
+    stats = LazyStats(backend="cooperative", node_processes=2, bytes_needed=625920, in_place_bytes=4096,
+                      planned_bytes_read=629216, planned_requests=7, batches=3, read_seconds=0.25, opaque_regions=1,
+                      opaque_bytes=128, unplanned_regions=2, unplanned_bytes=64)
+    line = summary(1, stats, 1251840, 1251840, "rerun", "a copy was read", None, 1.5)
+    got = fields(f"(EngineCore pid=7) INFO 01-02 03:04:05 [vllm.py:115] {line}")
+    assert got == {"rank": 1, "backend": "cooperative", "mode": "rerun", "node_processes": 2, "param_bytes": 1251840,
+                   "bytes_needed": 625920, "in_place_bytes": 4096, "checkpoint_bytes": 1251840,
+                   "planned_bytes_read": 629216, "planned_requests": 7, "node_bytes": 0, "received_bytes": 0,
+                   "rchar": None, "batches": 3, "opaque_regions": 1, "opaque_bytes": 128, "whole_opaque": 0,
+                   "unplanned_regions": 2, "unplanned_bytes": 64, "read_seconds": 0.25, "seconds": 1.5}
+    assert "rerun (a copy was read)" in line and fields(summary(0, stats, 1, 1, "replay", "", 12, 0.0))["rchar"] == 12
+    assert fields("INFO Loading weights took 0.42 seconds [default_loader.py:1]") is None

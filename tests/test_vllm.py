@@ -25,7 +25,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import pytest
 import torch
 from checkpoints import build_checkpoint
 
+from raylazy.integrations.report import fields
 from raylazy.storage.objects import HEAD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,9 +154,8 @@ def engines(vllm_python, vllm_models, s3, vllm_s3) -> dict:
             result["lines"], lines = own, []
             spec = result["spec"]
             out[(name_of[spec["model"]], spec["format"], spec["tp"] * spec.get("pp", 1))] = result
-        elif "raylazy: rank" in line:
-            fields = re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]"))
-            lines.append({k: int(v) if v.isdigit() else v for k, v in fields})
+        elif (numbers := fields(line)) is not None:
+            lines.append(numbers)
     return out
 
 
