@@ -1,21 +1,88 @@
 """Which byte ranges of a checkpoint tensor hold a box of it: the one geometry of reads, for the planner's shards
-(a slicing's pieces, `raylazy.core.planner`) and lazy weights' regions (`raylazy.integrations.lazy`), and the one
-rule of whether strided rows are read as one range with their gaps (`gathering`)."""
+(a slicing's pieces, `raylazy.core.planner`) and lazy weights' regions (`Region`, `raylazy.integrations.lazy`),
+and the one rule of whether strided rows are read as one range with their gaps (`gathering`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import product
+from math import prod
 
 from ..errors import PartialByteSliceError
 from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .header import TensorInfo
-from .plans import Read
+from .plans import Read, TensorShard
 
 #: Whether `count` rows of `length` bytes, `stride` bytes apart, are read as one range with their gaps:
 #: `gather(length, stride, count)`.
 Gather = Callable[[int, int, int], bool]
+
+
+@dataclass(frozen=True)
+class Region:
+    """The box `starts` .. `starts + sizes` of tensor `tensor` (in checkpoint file `file`): what a lazy weight reads."""
+
+    file: int
+    tensor: TensorInfo
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, file: int, tensor: TensorInfo) -> Region:
+        return cls(file, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.sizes) * DTYPE_BITS[self.tensor.dtype] // 8
+
+    @property
+    def order(self) -> tuple:
+        """Where the region lies in the checkpoint: regions sort in file and byte order."""
+        return self.file, self.tensor.start, self.starts, self.sizes
+
+    def narrow(self, dim: int, start: int, length: int) -> Region:
+        """The region narrowed along box dim `dim` (already non-negative) to [start, start + length)."""
+        size = self.sizes[dim]
+        start = start + size if start < 0 else start
+        if start < 0 or length < 0 or start + length > size:
+            raise RuntimeError(f"{self.tensor.name}: narrow(dim={dim}, start={start}, length={length}) is out of "
+                               f"range for size {size}")
+        return Region(self.file, self.tensor, _put(self.starts, dim, self.starts[dim] + start),
+                      _put(self.sizes, dim, length))
+
+    def shard(self, name: str, gather: Gather, path: str) -> TensorShard:
+        """The region as one shard of a rank plan, named `name` (placement "lazy": no rule chose it): its box's
+        reads (`box_reads`), strided rows as one range where `gather` says (`path` names the file in errors)."""
+        t = self.tensor
+        cut = [d for d, (n, full) in enumerate(zip(self.sizes, t.shape)) if n != full]
+        try:
+            reads = box_reads(self.file, t, self.starts, self.sizes, gather)
+        except PartialByteSliceError as e:
+            raise PartialByteSliceError(f"{path}: tensor {t.name!r}: {e}") from None
+        return TensorShard(name=name, file=self.file, offset=t.start, dtype=t.dtype, full_shape=t.shape,
+                           shape=self.sizes, placement="lazy", dim=cut[0] if cut else None,
+                           pieces=((self.starts[cut[0]], 0, self.sizes[cut[0]]),) if cut else (), reads=reads)
+
+
+def batch_cuts(wants: list[dict[Region, int]], budget: float) -> list[list[list[Region]]]:
+    """The regions the processes of a node want (process -> region -> the bytes it holds of it: 0 for one read
+    straight into its destination), in checkpoint order, cut into batches (batch -> process -> its regions) so
+    that no process holds more than `budget` bytes in one batch."""
+    regions = sorted({r for w in wants for r in w}, key=lambda r: r.order)
+    batches: list[list[list[Region]]] = []
+    held = [0] * len(wants)
+    for r in regions:
+        add = [w.get(r) for w in wants]
+        if not batches or any(h + (a or 0) > budget and h for h, a in zip(held, add)):
+            batches.append([[] for _ in wants])
+            held = [0] * len(wants)
+        for i, a in enumerate(add):
+            if a is not None:
+                batches[-1][i].append(r)
+                held[i] += a
+    return batches
 
 
 def gathering(max_gap: int | None, cost: CostModel | None) -> Gather:
@@ -96,3 +163,7 @@ def _describe(starts: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int,
         return f"the slice [{starts[cut[0]]}:{starts[cut[0]] + sizes[cut[0]]}] along dim {cut[0]}"
     return "the box [" + ", ".join(f"{a}:{a + n}" if k in cut else ":" for k, (a, n) in
                                    enumerate(zip(starts, sizes))) + "]"
+
+
+def _put(values: tuple, i: int, v) -> tuple:
+    return values[:i] + (v,) + values[i + 1 :]

@@ -1,13 +1,13 @@
 """Checkpoint tensors as lazy, tensor-like weights whose use says which bytes to read.
 
-A consumer (vLLM's `model.load_weights`, with its own weight loaders) gets one `LazyWeight` per checkpoint
-tensor. What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing, `chunk`, `split`,
-`unbind`, `unsqueeze`, `squeeze`, `transpose`, `t`, `permute`, `reshape` or `view` that only add or drop
-dims of size 1, `contiguous`, and `to`/`float`/... (a conversion, applied when the bytes come). Such a weight
-is its `Region` (a box of the full tensor) seen through a `Lens` (which box dim each of its dims shows).
-`dst.copy_(weight)` and `dst[index] = weight` are copies its run defers (`raylazy.integrations.recording`); any
-other use (`.item()`, arithmetic, `torch.cat`, ...) is an op raylazy cannot follow: the weight's region, as far
-as it was narrowed, is read there and then, counted as opaque, and from then on the weight is that tensor.
+A consumer (vLLM's `model.load_weights`, with its own weight loaders) gets one `LazyWeight` per checkpoint tensor.
+What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing, `chunk`, `split`, `unbind`,
+`unsqueeze`, `squeeze`, `transpose`, `t`, `permute`, `reshape` or `view` that only add or drop dims of size 1,
+`contiguous`, and `to`/`float`/... (applied when the bytes come). Such a weight is its `Region` (a box of the full
+tensor, `raylazy.core.boxes`) seen through a `Lens` (which box dim each of its dims shows). `dst.copy_(weight)`
+and `dst[index] = weight` are copies its run defers (`raylazy.integrations.recording`); any other use (`.item()`,
+arithmetic, `torch.cat`, ...) is an op raylazy cannot follow: the weight's region, as far as it was narrowed, is
+read there and then, counted as opaque, and from then on the weight is that tensor.
 """
 
 from __future__ import annotations
@@ -18,63 +18,11 @@ from dataclasses import dataclass
 from math import ceil, prod
 
 import torch
+from torch.utils._pytree import tree_map
 
-from ..core.boxes import Gather, box_reads
+from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
-from ..core.dtypes import DTYPE_BITS, torch_dtype
-from ..core.header import TensorInfo
-from ..core.plans import TensorShard
-from ..errors import PartialByteSliceError
-
-
-@dataclass(frozen=True)
-class Region:
-    """The box `starts` .. `starts + sizes` of tensor `tensor` (in checkpoint file `file`)."""
-
-    file: int
-    tensor: TensorInfo
-    starts: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @classmethod
-    def whole(cls, file: int, tensor: TensorInfo) -> Region:
-        return cls(file, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.sizes) * DTYPE_BITS[self.tensor.dtype] // 8
-
-    @property
-    def order(self) -> tuple:
-        """Where the region lies in the checkpoint: regions sort in file and byte order."""
-        return self.file, self.tensor.start, self.starts, self.sizes
-
-    def narrow(self, dim: int, start: int, length: int) -> Region:
-        """The region narrowed along box dim `dim` (already non-negative) to [start, start + length)."""
-        size = self.sizes[dim]
-        start = start + size if start < 0 else start
-        if start < 0 or length < 0 or start + length > size:
-            raise RuntimeError(f"{self.tensor.name}: narrow(dim={dim}, start={start}, length={length}) is out of "
-                               f"range for size {size}")
-        return Region(self.file, self.tensor, _put(self.starts, dim, self.starts[dim] + start),
-                      _put(self.sizes, dim, length))
-
-    def shard(self, name: str, gather: Gather, path: str) -> TensorShard:
-        """The region as one shard of a rank plan, named `name`: its box (`raylazy.core.boxes`), its strided rows
-        read as one range where `gather` says (`path` names the file in errors)."""
-        t = self.tensor
-        cut = [d for d, (n, full) in enumerate(zip(self.sizes, t.shape)) if n != full]
-        try:
-            reads = box_reads(self.file, t, self.starts, self.sizes, gather)
-        except PartialByteSliceError as e:
-            raise PartialByteSliceError(f"{path}: tensor {t.name!r}: {e}") from None
-        return TensorShard(name=name, file=self.file, offset=t.start, dtype=t.dtype, full_shape=t.shape,
-                           shape=self.sizes, placement="lazy", dim=cut[0] if cut else None,
-                           pieces=((self.starts[cut[0]], 0, self.sizes[cut[0]]),) if cut else (), reads=reads)
-
-
-def _put(values: tuple, i: int, v) -> tuple:
-    return values[:i] + (v,) + values[i + 1 :]
+from ..core.dtypes import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -109,8 +57,7 @@ def lazy_weights(ckpt: Checkpoint, run) -> Iterator[tuple[str, LazyWeight]]:
     """(name, LazyWeight) for every tensor of the checkpoint, in file order; `run` (a `Recording`, or a
     `raylazy.integrations.serving.Serving`) takes their bytes and copies."""
     for fi, t in ckpt.tensors():
-        region = Region.whole(fi, t)
-        yield t.name, LazyWeight(run, region, Lens(tuple(range(len(t.shape)))))
+        yield t.name, LazyWeight(run, Region.whole(fi, t), Lens(tuple(range(len(t.shape)))))
 
 
 def _follows(method: Callable) -> Callable:
@@ -155,20 +102,9 @@ class LazyWeight:
             return self._data.shape
         return torch.Size(self.region.sizes[d] if d is not None else 1 for d in self.lens.dims)
 
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    def dim(self) -> int:
-        return self.ndim
-
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    nelement = numel
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -184,15 +120,6 @@ class LazyWeight:
         if self._data is not None:
             return self._data.device
         return self.lens.device or torch.device("cpu")
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
-    def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
-        return True  # whatever it becomes is made contiguous when read
 
     # what only changes the region or the lens (`lens`, not `view`: a weight follows torch's view())
     @_follows
@@ -348,9 +275,12 @@ class LazyWeight:
         return self._data
 
     def __getattr__(self, name: str):
-        """Any other tensor attribute reads the region; a name tensors lack is an AttributeError (reading nothing)."""
+        """What only the shape and dtype say (`size()`, `numel()`, ...) is a meta tensor's answer; any other tensor
+        attribute reads the region; a name tensors lack is an AttributeError (reading nothing)."""
         if name.startswith("_") or not hasattr(torch.Tensor, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in _SHAPE_ONLY and self._data is None:
+            return getattr(torch.empty(self.shape, dtype=self.dtype, device="meta"), name)
         return getattr(self.materialize(), name)
 
     @classmethod
@@ -376,15 +306,13 @@ def _basic(key) -> bool:
 
 
 def _materialized(value):
-    if isinstance(value, LazyWeight):
-        return value.materialize()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_materialized(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _materialized(v) for k, v in value.items()}
-    return value
+    """`value` with every lazy weight in it (in lists, tuples and dicts too) read."""
+    return tree_map(lambda v: v.materialize() if isinstance(v, LazyWeight) else v, value)
 
 
+#: Tensor methods whose answer only the shape and dtype give (contiguous: whatever it becomes is made so when read).
+_SHAPE_ONLY = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+                         "is_contiguous"})
 #: torch functions a LazyWeight follows, and its method doing it.
 _FOLLOWED = {f: name for name in ("narrow", "chunk", "split", "unbind", "select", "squeeze", "unsqueeze",
                                   "transpose", "permute", "t", "reshape", "detach", "contiguous", "clone")

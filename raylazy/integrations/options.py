@@ -16,9 +16,9 @@ DEFAULT_BATCH_BYTES = 256 << 20
 class LazyOptions(BaseModel):
     """How lazy weights are served: the reader (`ReaderOptions`: backend, threads, queue_size, chunk_bytes, ...),
     row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
-    deciding each strided region on object storage), the batches (about `batch_bytes` of regions each
-    besides those read in place; `batches_ahead` read beyond the ones being used: host memory about
-    (batches_ahead + 2) x batch_bytes), and `replay` (False: always run the consumer a second time)."""
+    deciding each strided region on object storage), the batches (about `batch_bytes` of regions each besides
+    those read in place; `batches_ahead` read beyond the ones being used: host memory about (batches_ahead + 2)
+    x batch_bytes), and `replay` (False: always run the consumer a second time)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 

@@ -1,24 +1,23 @@
-"""The recording of a consumer's first run over lazy weights (`raylazy.integrations.lazy`): the copies it
-deferred, the regions ops it cannot follow read at once, and whether the deferred copies can be replayed.
-
-`Recording.replayable` says whether doing the deferred copies afterwards, in any order that keeps overlapping
-destinations in turn, leaves the consumer's tensors as the run itself would have: no tensor written by a deferred
-copy was read or written by another op afterwards (a `TorchFunctionMode` watches the run), and every destination
-is one of the model's own tensors. Otherwise the consumer runs again (`raylazy.integrations.serving`).
+"""The recording of a consumer's first run over lazy weights (`raylazy.integrations.lazy`): the copies it deferred,
+the regions ops it cannot follow read at once, and whether replaying the deferred copies (in any order that keeps
+overlapping destinations in turn) leaves the consumer's tensors as the run would have: no tensor a deferred copy
+writes was used by another op afterwards (a `TorchFunctionMode` watches the run), and every destination is one of
+the model's own tensors. Otherwise the consumer runs again (`raylazy.integrations.serving`).
 """
-
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
+from ..core.boxes import Region
 from ..core.dtypes import itemsize, torch_dtype
-from .lazy import LazyWeight, Lens, Region
+from .lazy import LazyWeight, Lens
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,14 @@ class Copy:
     dst: torch.Tensor
     region: Region
     lens: Lens
+
+    def do(self, box: torch.Tensor) -> torch.Tensor:
+        """The copy, from the region's `box` as read; none where the box was read into `dst` itself."""
+        src = self.lens.of(box, self.region.sizes)
+        if (src.data_ptr(), src.stride(), src.shape, src.dtype) != (self.dst.data_ptr(), self.dst.stride(),
+                                                                   self.dst.shape, self.dst.dtype):
+            self.dst.copy_(src)
+        return self.dst
 
 
 class Recording:
@@ -111,15 +118,9 @@ def _op_name(func) -> str:
     return name
 
 
-def _tensors(value) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in `value` (in lists, tuples and dicts too)."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 class _Watch(TorchFunctionMode):
@@ -145,9 +146,8 @@ class _Watch(TorchFunctionMode):
 
 def _views_of(out, t: torch.Tensor) -> bool:
     """Whether every tensor in `out` shares `t`'s storage (a view: nothing read)."""
-    outs = list(_tensors(out))
     key = t.untyped_storage().data_ptr()
-    return all(o.untyped_storage().data_ptr() == key for o in outs)
+    return all(o.untyped_storage().data_ptr() == key for o in _tensors(out))
 
 
 def overlapping(tensors: list[torch.Tensor]) -> set[int]:
@@ -161,9 +161,9 @@ def overlapping(tensors: list[torch.Tensor]) -> set[int]:
 
 
 def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Tensor]:
-    """The regions a replay can read straight into a destination: the first copy of each region whose
-    destination holds the box's bytes in their order (contiguous, its dtype, on `device`) and overlaps no
-    other destination. {region: the destination viewed with the box's sizes}."""
+    """{region: its destination viewed with the box's sizes} for the regions a replay reads straight into one: the
+    first copy of each whose destination holds the box's bytes in order (contiguous, its dtype, on `device`)
+    and overlaps no other destination."""
     shared = overlapping([c.dst for c in copies])
     out: dict[Region, torch.Tensor] = {}
     for i, c in enumerate(copies):

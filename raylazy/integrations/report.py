@@ -1,6 +1,5 @@
-"""What serving a run of lazy weights took (`LazyStats`), and the log line a vLLM worker writes of it: `summary`
-writes the line, `fields` reads its numbers back (the tests and benchmarks read it with that alone). Which
-numbers are measured, which counted and which planned: docs/vllm.md."""
+"""What serving a run of lazy weights took (`LazyStats`), and the vLLM worker's log line of it: `summary` writes
+it, `fields` reads its numbers back (what the tests and benchmarks read it with; the numbers: docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -12,17 +11,17 @@ from ..io.stats import ReadStats
 
 #: How every worker's line begins.
 PREFIX = "raylazy: rank "
-_FIELD = re.compile(r"(\w+)=(\S+)")
+_FIELD, _DECIMAL = re.compile(r"(\w+)=(\S+)"), re.compile(r"\d+\.\d+")
 
 
 @dataclass
 class LazyStats:
-    """What serving a run took. Counted: `regions` and `bytes_needed` (the distinct regions wanted, their bytes),
+    """What serving a run took. Counted: `regions`, `bytes_needed` (the distinct regions wanted, their bytes),
     `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
-    follow took, read at once as far as narrowed; `whole_opaque`: of whole tensors), `unplanned_*` (regions a
-    second run took that the first did not). Planned (the readers' plan or node schedule arithmetic, not
-    measured): `planned_bytes_read`, `planned_requests`, `node_bytes` (the node's union, once). Measured:
-    `received_bytes` (from the node's other processes), `read_seconds`."""
+    follow took, read at once as far as narrowed; `whole_opaque`: whole tensors), `unplanned_*` (regions only a
+    second run took). Planned (the readers' plan or node schedule, not measured): `planned_bytes_read`,
+    `planned_requests`, `node_bytes` (the node's union, once). Measured: `received_bytes` (from the node's other
+    processes), `read_seconds`."""
 
     backend: str = "ranged"
     node_processes: int = 1
@@ -76,7 +75,5 @@ def fields(line: str) -> dict | None:
     at = line.find(PREFIX)
     if at < 0 or "[" not in line[at:]:
         return None
-    out = {}
-    for k, v in _FIELD.findall(line[at:].rsplit("[", 1)[1].rstrip("]")):
-        out[k] = int(v) if v.isdigit() else float(v) if re.fullmatch(r"\d+\.\d+", v) else None if v == "-" else v
-    return out
+    return {k: int(v) if v.isdigit() else float(v) if _DECIMAL.fullmatch(v) else None if v == "-" else v
+            for k, v in _FIELD.findall(line[at:].rsplit("[", 1)[1].rstrip("]"))}

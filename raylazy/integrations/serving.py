@@ -1,33 +1,29 @@
 """Reading the regions a run of lazy weights took (`raylazy.integrations.lazy`) with raylazy's readers, in batches
 on a background thread, and handing them out: to a replay of the run's deferred copies, or to a second run.
 
-`RegionReader` reads regions of one checkpoint: its files are opened and checked against their headers once, on first
-use, and kept open for every read of the load. Each region is one shard of a rank plan (its box, read exactly);
-fastsafetensors, which reads whole tensors, gets each tensor once and the regions are cut from it.
-
-`Serving` reads the regions a process wants in batches, in checkpoint order, cut so that no process holds more
-than `batch_bytes` of regions beyond those read straight into their destination (replay's in-place reads). The
-processes loading the checkpoint at once on one node (vLLM's workers: a `NodeGroup`) read together, as raylazy
-reads a node: every one of them cuts the node's regions into the same batches, and each batch is one node
-read (`raylazy.core.schedule.node_schedule`), with `cooperative` through the page cache
-(`raylazy.io.cooperative`) or the `exchange` over a process group of raylazy's own (gloo on CPUs, NCCL on GPUs,
-`raylazy.io.exchange`), as `raylazy.io.backends.backend_for` picks for `auto`; a process alone on its node, or
-asked for `ranged` or `fastsafetensors`, reads its own regions.
+`RegionReader` reads regions of one checkpoint, each one shard of a rank plan (its box, read exactly; whole
+tensors for fastsafetensors, the regions cut from them), its files checked once and kept open for the load.
+`Serving` reads the regions a process wants in batches, in checkpoint order, so that no process holds more than
+`batch_bytes` of regions beyond those read straight into their destination. The processes loading the checkpoint
+at once on one node (vLLM's workers: a `NodeGroup`) cut the node's regions into the same batches, each one node
+read (`raylazy.core.schedule.node_schedule`) with the backend `raylazy.io.backends.backend_for` picks; a process
+alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own regions.
 """
-
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from ..core.boxes import gathering
+from ..core.boxes import Region, batch_cuts, gathering
 from ..core.checkpoint import Checkpoint
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
@@ -35,22 +31,23 @@ from ..core.schedule import NodeTask, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, read_rank, solo_backend
 from ..io.collective import Exchange, collective_backend, node_address
 from ..io.exchange import ExchangeTask, read_rank_exchanged
-from ..storage import open_planned, storage_for
-from .lazy import LazyWeight, Region
+from ..storage import open_planned_files, storage_for
+from .lazy import LazyWeight
 from .options import LazyOptions
 from .recording import Copy, overlapping
 from .report import LazyStats
 
 
 class RegionReader:
-    """Regions of one checkpoint read with raylazy's readers; use as a context manager (it holds the files open).
-    Every read's statistics add up in `stats`."""
+    """Regions of one checkpoint read with raylazy's readers (a context manager: it holds the files open), every
+    read counted in `stats`."""
 
     def __init__(self, ckpt: Checkpoint, options: LazyOptions):
         self.ckpt, self.options = ckpt, options
         self.files = tuple(map(FileRef.of, ckpt.files))
         self.stats = LazyStats()
         self._sources: dict[int, object] = {}
+        self._open = ExitStack()  # the files opened, closed on leaving
         self._lock = threading.Lock()
         self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
         self._gather = gathering(options.max_gap, None if options.max_gap is not None else
@@ -60,16 +57,14 @@ class RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        for source in self._sources.values():
-            source.close()
+        self._open.close()
         self._sources.clear()
 
     def sources(self, files) -> dict[int, object]:
         """The files, opened and checked against the checkpoint's headers the first time one is asked for."""
         with self._lock:
-            for f in files:
-                if f not in self._sources:
-                    self._sources[f] = open_planned(self._none, f, self.options.reader.storage_options)
+            self._sources.update(self._open.enter_context(open_planned_files(
+                self._none, [f for f in files if f not in self._sources], self.options.reader.storage_options)))
             return {f: self._sources[f] for f in files}
 
     def shard(self, region: Region, name: str):
@@ -106,15 +101,14 @@ class RegionReader:
         tensors = {r.tensor.name: Region.whole(r.file, r.tensor) for r in regions}
         plan = RankPlan(rank=0, mesh=Mesh(), files=self.files,
                         tensors=tuple(self.shard(w, name) for name, w in tensors.items()))
-        got, stats = read_rank(plan, device, options=self.options.reader, sources=self.sources(
-            sorted({w.file for w in tensors.values()})))
+        got, stats = read_rank(plan, device, options=self.options.reader,
+                               sources=self.sources(sorted({w.file for w in tensors.values()})))
         with self._lock:
             self.stats.add_read(stats)
         return {r: got[r.tensor.name][tuple(slice(a, a + n) for a, n in zip(r.starts, r.sizes))] for r in regions}
 
     def read_alone(self, region: Region) -> torch.Tensor:
-        """One region, read at once by this process alone, on the CPU, where checkpoint tensors are (an op raylazy
-        cannot follow asked for it)."""
+        """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow)."""
         return self.read([region], backend=solo_backend(self.options.reader.backend))[region]
 
 
@@ -135,12 +129,8 @@ class NodeGroup(Protocol):
 
 def node_key() -> str:
     """What identifies this machine (its page cache): the host name and the kernel's boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    boot = "/proc/sys/kernel/random/boot_id"
+    return f"{socket.gethostname()}/{Path(boot).read_text().strip() if os.path.exists(boot) else ''}"
 
 
 @dataclass
@@ -168,24 +158,6 @@ class _Peer:
     wants: list[tuple[int, tuple, tuple, int]]
 
 
-def batch_cuts(wants: list[dict[Region, int]], budget: float) -> list[list[list[Region]]]:
-    """The node's regions in checkpoint order, cut into batches (batch -> process -> its regions) so that no
-    process holds more than `budget` bytes (its regions' held bytes: 0 for those read in place) in one batch."""
-    regions = sorted({r for w in wants for r in w}, key=lambda r: r.order)
-    batches: list[list[list[Region]]] = []
-    held = [0] * len(wants)
-    for r in regions:
-        add = [w.get(r) for w in wants]
-        if not batches or any(h + (a or 0) > budget and h for h, a in zip(held, add)):
-            batches.append([[] for _ in wants])
-            held = [0] * len(wants)
-        for i, a in enumerate(add):
-            if a is not None:
-                batches[-1][i].append(r)
-                held[i] += a
-    return batches
-
-
 @dataclass
 class _Batch:
     regions: list[Region]  # this process's
@@ -195,12 +167,11 @@ class _Batch:
 
 
 class Serving:
-    """Reads the regions this process wants (`takes`: region -> times taken) onto `device` in batches on a
-    background thread and hands them out (`take`, `copy_into`, `replay`). `out`: regions read straight into a
-    destination. `group`: the processes loading the checkpoint at once, for the node backends (making a Serving
-    is then a collective: every one of them makes its own). The reader stays at most `batches_ahead` batches
-    beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context manager:
-    leaving it stops the reader."""
+    """Reads the regions this process wants (`takes`: region -> times taken; `out`: those read straight into a
+    destination) onto `device` in batches on a background thread, at most `batches_ahead` beyond the ones not yet
+    fully taken unless a take waits for a later one, and hands them out (`take`, `copy_into`, `replay`). `group`:
+    the processes loading the checkpoint at once (making a Serving is then a collective). Use as a context
+    manager: leaving it stops the reader."""
 
     def __init__(self, reads: RegionReader, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
                  group: NodeGroup | None = None, device: str | torch.device = "cpu"):
@@ -243,7 +214,7 @@ class Serving:
         batches = [self._node_batch(cut, node.index(group.rank), first.load_id, b, first.address)
                    for b, cut in enumerate(batch_cuts(wants, budget))]
         session = _exchange(batches, len(node), self.device, self.options.reader.stripe_timeout_s) \
-            if backend == "exchange" else nullcontext()
+            if backend == "exchange" and batches else nullcontext()
         return backend, batches, session
 
     def _alone(self, backend: str, budget: float) -> tuple[str, list[_Batch], object]:
@@ -324,14 +295,14 @@ class Serving:
         return self._ready.pop(region)
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
-        return _copy(dst, weight.lens.of(self.take(weight.region), weight.region.sizes))
+        return Copy(dst, weight.region, weight.lens).do(self.take(weight.region))
 
     def replay(self, copies: list[Copy]) -> None:
         """Do the recorded copies: in batch order where no two destinations overlap, else in the order recorded."""
         if not overlapping([c.dst for c in copies]):
             copies = sorted(copies, key=lambda c: self._batch_of[c.region])
         for c in copies:
-            _copy(c.dst, c.lens.of(self.take(c.region), c.region.sizes))
+            c.do(self.take(c.region))
 
 
 class _Stopped(Exception):
@@ -341,19 +312,8 @@ class _Stopped(Exception):
 @contextmanager
 def _exchange(batches: list[_Batch], size: int, device: str, timeout_s: float) -> Iterator[None]:
     """One Exchange of the node's processes for all the batches (its rendezvous at the node's first process)."""
-    with ExitStack() as stack:
-        if batches:
-            first = batches[0].node
-            ex = stack.enter_context(Exchange(collective_backend(device), first.local, size, first.address, timeout_s,
-                                              device))
-            for b in batches:
-                b.node.exchange = ex
+    first = batches[0].node
+    with Exchange(collective_backend(device), first.local, size, first.address, timeout_s, device) as ex:
+        for b in batches:
+            b.node.exchange = ex
         yield
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst.copy_(src), unless src is dst itself (read in place)."""
-    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride() or src.shape != dst.shape \
-            or src.dtype != dst.dtype:
-        dst.copy_(src)
-    return dst

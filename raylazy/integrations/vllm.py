@@ -1,18 +1,13 @@
 """raylazy as a vLLM load format: `LLM(model, load_format="raylazy")`, `vllm serve DIR --load-format raylazy`
-(DIR a directory, a cached model id or an `s3://`, `gs://` or `az://` URI).
+(DIR a directory, a cached model id or an `s3://`, `gs://` or `az://` URI; docs/vllm.md).
 
 The `vllm.general_plugins` entry point (`register`) makes the format known in every vLLM process. In each
-worker, `RaylazyModelLoader` runs the model's own `load_weights` once over lazy weights
-(`raylazy.integrations.lazy`), which reads nothing for what it can follow and notes which region of each
-checkpoint tensor the worker's weight loaders copy where (its tensor-parallel slice, its experts, only its
-pipeline stage's layers), then reads those regions with raylazy's readers and does the copies
-(`raylazy.integrations.serving`). Where the recording cannot be replayed, the model's `load_weights` runs a
-second time and gets the regions' real bytes. The workers of a node read the union of their regions together
-(cooperative through the page cache on CPUs, the exchange on GPUs and for object storage), unless the options
-say `backend="ranged"` or `"fastsafetensors"`. Options come from `model_loader_extra_config` (`LazyOptions`).
-Each worker logs one line (`raylazy.integrations.report.summary`; its fields: docs/vllm.md).
+worker, `RaylazyModelLoader` records the model's own `load_weights` over lazy weights (`raylazy.integrations.lazy`:
+which region of each checkpoint tensor its weight loaders copy where), then reads those regions with raylazy's
+readers, with the node's other workers, and replays the copies, or runs `load_weights` again where the recording
+cannot be replayed (`raylazy.integrations.serving`). Options: `model_loader_extra_config` (`LazyOptions`). Each
+worker logs one line (`raylazy.integrations.report.summary`).
 """
-
 from __future__ import annotations
 
 import functools
@@ -50,11 +45,9 @@ def register() -> None:
 
 
 def _accept_object_storage() -> None:
-    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check. vLLM fetches an
-    object-storage model's config files, keeps the URI in `model_config.model_weights`, then refuses every load
-    format but its own object-storage ones (`VllmConfig.try_verify_and_update_config`: "To load a model from
-    object storage (S3/GCS/Azure), 'load_format' must be 'modelexpress', 'runai_streamer' or
-    'runai_streamer_sharded'"), with no way for a plugin's format to say it reads such models. So for raylazy's
+    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check: for an object-storage model
+    (its URI in `model_config.model_weights`) `VllmConfig.try_verify_and_update_config` refuses every load format
+    but vLLM's own object-storage ones, and a plugin's format cannot say it reads such models. So for raylazy's
     format and such a model only, the check runs with the format named as one it accepts, and raylazy's is put
     back after; once per process; where a vLLM has no such method nothing is changed."""
     from vllm.config import VllmConfig
@@ -79,8 +72,8 @@ def _accept_object_storage() -> None:
 
 
 class RaylazyModelLoader(BaseModelLoader):
-    """Loads each worker's regions of a safetensors checkpoint (a directory, a model id already in the Hugging
-    Face cache: nothing is downloaded, or an object-storage URI) with raylazy's readers."""
+    """Loads each worker's regions of a safetensors checkpoint (a directory, a model id in the Hugging Face cache:
+    nothing is downloaded, or an object-storage URI) with raylazy's readers."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
@@ -112,8 +105,9 @@ class RaylazyModelLoader(BaseModelLoader):
         s.whole_opaque = sum(r.sizes == r.tensor.shape for r in recording.opaque)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         seconds, rchar = meter.elapsed()
-        logger.info(summary(_rank(), s, ckpt.nbytes, params, "replay" if replay else "rerun",
-                            recording.why_not_replayable, rchar, seconds))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        logger.info(summary(rank, s, ckpt.nbytes, params, "replay" if replay else "rerun", recording.why_not_replayable,
+                            rchar, seconds))
         if model_config.quantization is None and loaded is not None:
             # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
             # loader: it reads nothing of a loader but what every BaseModelLoader has
@@ -121,10 +115,9 @@ class RaylazyModelLoader(BaseModelLoader):
 
 
 def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
-    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage
-    (`LLM(model="s3://bucket/prefix")`) vLLM fetches only its config and tokenizer files into a local directory,
-    which becomes `model`, and keeps the URI in `model_weights`: the weights are read from there, each worker's
-    ranges straight from the store, reached with the options' `storage_options` (else the environment)."""
+    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage vLLM
+    keeps the URI in `model_weights` (`model` is a local directory of its config files): the weights are read
+    from there, reached with the options' `storage_options` (else the environment)."""
     model = model_config.model_weights or model_config.model
     if model_config.revision and not model_config.model_weights and not os.path.exists(model):
         model = f"{model}@{model_config.revision}"
@@ -144,8 +137,8 @@ class _Workers:
 
 
 def _workers() -> NodeGroup | None:
-    """The engine's workers, which load at once (None outside an engine, or where vLLM's world holds other
-    engines' workers too, data-parallel replicas, which need not load when this one does)."""
+    """The engine's workers, which load at once (None outside an engine, or where vLLM's world also holds other
+    engines' workers: data-parallel replicas need not load when this one does)."""
     from vllm.distributed import parallel_state as ps
 
     try:
@@ -153,7 +146,3 @@ def _workers() -> NodeGroup | None:
     except AssertionError:  # vLLM's groups are not initialised in this process
         return None
     return _Workers(world) if world.world_size == tp.world_size * pp.world_size else None
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

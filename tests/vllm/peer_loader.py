@@ -9,7 +9,7 @@ from unittest import mock
 
 import torch
 
-from raylazy.integrations.lazy import Region
+from raylazy.core.boxes import Region
 from raylazy.integrations.serving import RegionReader
 from raylazy.integrations.vllm import RaylazyModelLoader
 
