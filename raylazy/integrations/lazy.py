@@ -102,10 +102,6 @@ class LazyWeight:
             return self._data.shape
         return torch.Size(self.region.sizes[d] if d is not None else 1 for d in self.lens.dims)
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     def __len__(self) -> int:
         return self.shape[0]
 
@@ -311,8 +307,8 @@ def _materialized(value):
 
 
 #: Tensor methods whose answer only the shape and dtype give (contiguous: whatever it becomes is made so when read).
-_SHAPE_ONLY = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
-                         "is_contiguous"})
+_SHAPE_ONLY = frozenset({"size", "dim", "ndim", "numel", "nelement", "element_size", "is_floating_point",
+                         "is_complex", "is_contiguous"})
 #: torch functions a LazyWeight follows, and its method doing it.
 _FOLLOWED = {f: name for name in ("narrow", "chunk", "split", "unbind", "select", "squeeze", "unsqueeze",
                                   "transpose", "permute", "t", "reshape", "detach", "contiguous", "clone")

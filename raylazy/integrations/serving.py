@@ -63,8 +63,9 @@ class RegionReader:
     def sources(self, files) -> dict[int, object]:
         """The files, opened and checked against the checkpoint's headers the first time one is asked for."""
         with self._lock:
-            self._sources.update(self._open.enter_context(open_planned_files(
-                self._none, [f for f in files if f not in self._sources], self.options.reader.storage_options)))
+            if new := [f for f in files if f not in self._sources]:
+                self._sources.update(self._open.enter_context(open_planned_files(
+                    self._none, new, self.options.reader.storage_options)))
             return {f: self._sources[f] for f in files}
 
     def shard(self, region: Region, name: str):
