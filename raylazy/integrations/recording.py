@@ -4,6 +4,7 @@ overlapping destinations in turn) leaves the consumer's tensors as the run would
 writes was used by another op afterwards (a `TorchFunctionMode` watches the run), and every destination is one of
 the model's own tensors. Otherwise the consumer runs again (`raylazy.integrations.serving`).
 """
+
 from __future__ import annotations
 
 from collections import Counter

@@ -9,6 +9,7 @@ at once on one node (vLLM's workers: a `NodeGroup`) cut the node's regions into 
 read (`raylazy.core.schedule.node_schedule`) with the backend `raylazy.io.backends.backend_for` picks; a process
 alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own regions.
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ readers, with the node's other workers, and replays the copies, or runs `load_we
 cannot be replayed (`raylazy.integrations.serving`). Options: `model_loader_extra_config` (`LazyOptions`). Each
 worker logs one line (`raylazy.integrations.report.summary`).
 """
+
 from __future__ import annotations
 
 import functools
