@@ -105,38 +105,43 @@ def box_reads(file: int, t: TensorInfo, starts: tuple[int, ...], sizes: tuple[in
     the destination; the runs over the whole dims between the last such dim before d (j) and d lie one stride
     apart, so each index of the dims before j is one Read of `count` rows, `gather` saying whether they come as
     one range. A PartialByteSliceError where a sub-byte tensor's run does not start and end on whole bytes."""
-    shape, step = t.shape, DTYPE_BITS[t.dtype]
-    out, at = into or (sizes, None)
-    d = len(shape) - 1
-    while d >= 0 and sizes[d] == shape[d] == out[d]:
+    shape = t.shape
+    out, at = into if into else (sizes, None)
+    if sizes == shape == out:  # the whole tensor, into all of the destination
+        return whole_reads(file, t)
+    d, step = len(shape) - 1, DTYPE_BITS[t.dtype]
+    while sizes[d] == shape[d] == out[d]:
         step *= shape[d]
         d -= 1
-    if d < 0:  # the whole tensor, into all of the destination
-        return (Read(file, t.start, t.end - t.start, 0),) if t.end > t.start else ()
     if 0 in sizes:
         return ()
-    # bits between consecutive indices of dims d, d - 1, ... in the tensor and in the destination (the dims after
-    # d are whole in both, so one index of d is `step` bits in both)
-    src_steps, dst_steps = [step] * (d + 1), [step] * (d + 1)
-    for k in range(d - 1, -1, -1):
-        src_steps[k], dst_steps[k] = src_steps[k + 1] * shape[k + 1], dst_steps[k + 1] * out[k + 1]
-    j, count = d - 1, 1
+    # one index of dim d is `step` bits in the tensor and in the destination (the dims after d are whole in both);
+    # walking back over the whole dims before d, the rows of a Read are `stride` (`dst_stride`) bits apart
+    run, src, dst = sizes[d] * step, starts[d] * step, at[d] * step if at else 0
+    stride, dst_stride, j, count = shape[d] * step, out[d] * step, d - 1, 1
+    src_step, dst_step = stride, dst_stride  # bits between indices of dim j
     while j > 0 and sizes[j] == shape[j] == out[j]:
-        count *= sizes[j]
-        j -= 1
-    j = max(j, 0)
-    if d:
-        count *= sizes[j]
-    run, stride, dst_stride = sizes[d] * step, src_steps[d - 1] if d else 0, dst_steps[d - 1] if d else 0
-    src = dst = 0
-    for k in range(d + 1):
-        src += starts[k] * src_steps[k]
-        dst += at[k] * dst_steps[k] if at else 0
-    if not j:  # one Read
+        count, src_step, dst_step, j = count * sizes[j], src_step * shape[j], dst_step * out[j], j - 1
+    if d:  # dim j's own indices are rows too; its start moves the first
+        count, src, dst = count * sizes[j], src + starts[j] * src_step, dst + (at[j] * dst_step if at else 0)
+    if j <= 0:  # one Read
         return (_read(file, t, starts, sizes, src, dst, run, count, stride, dst_stride, gather),)
-    return tuple(_read(file, t, starts, sizes, src + sum(i * n for i, n in zip(outer, src_steps)),
-                       dst + sum(i * n for i, n in zip(outer, dst_steps)), run, count, stride, dst_stride, gather)
+    src_steps, dst_steps = [src_step * shape[j]], [dst_step * out[j]]  # of dims j - 1, ..., 0
+    for k in range(j - 1, 0, -1):
+        src_steps.append(src_steps[-1] * shape[k])
+        dst_steps.append(dst_steps[-1] * out[k])
+    src_steps.reverse()
+    dst_steps.reverse()
+    return tuple(_read(file, t, starts, sizes, src + sum((a + i) * n for a, i, n in zip(starts, outer, src_steps)),
+                       dst + sum(((at[k] if at else 0) + i) * n for k, (i, n) in enumerate(zip(outer, dst_steps))),
+                       run, count, stride, dst_stride, gather)
                  for outer in _indices(sizes[:j]))
+
+
+def whole_reads(file: int, t: TensorInfo) -> tuple[Read, ...]:
+    """The reads of all of tensor `t` (in file `file`): one range, none for an empty tensor (`box_reads` of its
+    whole box, without looking at its dims: the planner asks this once per tensor every rank holds whole)."""
+    return (Read(file, t.start, t.end - t.start, 0),) if t.end > t.start else ()
 
 
 def _read(file: int, t: TensorInfo, starts, sizes, src: int, dst: int, run: int, count: int, stride: int,

@@ -14,7 +14,7 @@ from ..errors import (
     StageError,
     UnsupportedQuantizationError,
 )
-from .boxes import Gather, box_reads, gathering
+from .boxes import Gather, box_reads, gathering, whole_reads
 from .checkpoint import Checkpoint
 from .costs import CostModel
 from .header import TensorInfo
@@ -208,8 +208,7 @@ def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None
     of the tensor (`raylazy.core.boxes`), its strided rows read as one range where `gather` says."""
     shape = t.shape
     if slicing is None:
-        return TensorShard(t.name, fi, t.start, t.dtype, shape, shape, placement, None, (),
-                           box_reads(fi, t, (0,) * len(shape), shape, gather))
+        return TensorShard(t.name, fi, t.start, t.dtype, shape, shape, placement, None, (), whole_reads(fi, t))
     d, n = slicing.dim, len(shape)
     out, box, at, reads = list(shape), list(shape), [0] * n, ()
     out[d] = slicing.length
