@@ -232,7 +232,7 @@ def run(model_dir: str, info: dict, tp: int = 8, runs: int = 5, profile: bool = 
         ("with_node_schedules(make_plan(dir, tp), one node), median wall", f"{plan_s * 1e3:,.1f} ms",
          f"CPU {plan_cpu * 1e3:.0f} ms; runs: " + ", ".join(f"{t * 1e3:.0f}" for t in plan_all) + " ms"),
         ("  open_checkpoint (headers) alone", f"{head_s * 1e3:,.1f} ms", f"CPU {head_cpu * 1e3:.0f} ms"),
-        ("  make_plan(Checkpoint, tp) alone", f"{pure_s * 1e3:,.1f} ms", f"CPU {pure_cpu * 1e3:.0f} ms: rules, slicing, Reads"),
+        ("  make_plan(Checkpoint, tp) alone", f"{pure_s * 1e3:,.1f} ms", f"CPU {pure_cpu * 1e3:.0f} ms: rules, slicing, reads"),
         ("  with_node_schedules(plan, one node) alone", f"{node_s * 1e3:,.1f} ms", f"CPU {node_cpu * 1e3:.0f} ms: {stripes:,} stripes"),
         ("plan.to_json()", f"{json_s * 1e3:,.1f} ms", f"{_gb(len(text))} of JSON"),
         ("bytes read while planning (rchar)", f"{planning_rchar:,}", f"expected {expected_rchar:,} = headers "

@@ -37,6 +37,7 @@ from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_ch
 from benchmarks.loaders.diskstats import Device  # noqa: E402
 from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
+from raylazy.integrations.report import fields  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
 #: The benchmark checkpoint: Llama-shaped, bf16, 3 layers (0.53 GB).
@@ -102,7 +103,7 @@ def measure(model: str, spec: str, tp: int, cache: str, device: Device) -> dict:
         error = [line for line in done.stdout.splitlines() if "Error" in line] or done.stdout.splitlines()
         return {**row, "error": (error[-1] if error else "")[-200:]}
     load = [float(x) for x in re.findall(r"Loading weights took ([\d.]+) seconds", done.stdout)]
-    load += [float(x) for x in re.findall(r"raylazy: rank .* seconds=([\d.]+)\]", done.stdout)]
+    load += [f["seconds"] for f in map(fields, done.stdout.splitlines()) if f]
     return {**row, **result, "load_s": max(load, default=None), "disk_bytes": disk.bytes if disk else None,
             "mean_request": disk.mean_request if disk else None}
 

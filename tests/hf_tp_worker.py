@@ -1,4 +1,4 @@
-"""Runs under `torchrun --nproc-per-node N` (tests/hf_tp.py starts it): loads each checkpoint with transformers' own
+"""Runs under `torchrun --nproc-per-node N` (tests/test_declared.py starts it): loads each checkpoint with transformers' own
 tensor-parallel loading (`from_pretrained(dir, tp_plan="auto")`, gloo on CPUs) and writes what this rank holds.
 
 For each `DIR`, rank r writes `OUT/<basename of DIR>/rank<r>.safetensors`, every parameter's local part (the DTensor's

@@ -11,8 +11,11 @@ import torch
 from checkpoints import build_checkpoint, reference_tensors
 
 from raylazy.errors import ConfigurationError, FileChangedError
-from raylazy.integrations.lazy import LazyOptions, Recording, lazy_options, lazy_weights
-from raylazy.integrations.serving import Reads, Serving, in_place, wanted
+from raylazy.integrations.lazy import lazy_weights
+from raylazy.integrations.options import LazyOptions, lazy_options
+from raylazy.integrations.recording import Recording, in_place, wanted
+from raylazy.integrations.report import LazyStats, fields, summary
+from raylazy.integrations.serving import RegionReader, Serving
 from raylazy.storage import open_checkpoint, verified
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
@@ -91,7 +94,7 @@ def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict):
     """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
     consumer's own tensors (a dict), which copies may be replayed into."""
     ckpt = open_checkpoint(model_dir, options.reader.storage_options)
-    with Reads(ckpt, options) as reads:
+    with RegionReader(ckpt, options) as reads:
         rec = Recording(reads.read_alone)
         with rec.watching():
             consume(lazy_weights(ckpt, rec))
@@ -264,7 +267,7 @@ def test_a_read_failure_reaches_the_take(llama_dir, tmp_path):
     model = shutil.copytree(llama_dir, tmp_path / "m")
     ckpt = open_checkpoint(model)
     consume, params, _ = tp_consumer(0, 2)
-    with Reads(ckpt, LazyOptions()) as reads:
+    with RegionReader(ckpt, LazyOptions()) as reads:
         rec = Recording(reads.read_alone)
         consume(lazy_weights(ckpt, rec))
         (tmp_path / "m" / ckpt.files[0].path.rsplit("/", 1)[1]).write_bytes(b"\0" * 16)
@@ -316,3 +319,39 @@ def test_consumer_attributes_read_nothing(llama_dir):
     assert getattr(w, "weight_loader", None) is None and alias.shape == w.shape and w.is_floating_point()
     assert reads == [] and recording.copies == []
     assert w.abs().shape == w.shape and len(reads) == 1  # a tensor method reads the region
+
+
+def test_view_is_torch_view(llama_dir):
+    """`weight.view(shape)` is the tensor method, as vLLM's Falcon loader calls it (`loaded_weight.view(kv_heads,
+    -1, head_dim, hidden)`): a view that only adds dims of size 1 reads nothing; one that regroups the dims reads
+    the weight's region there and then (as narrowed, once) and gives the values torch's own view of the tensor
+    gives; a dtype view reinterprets the bytes as torch does."""
+    ckpt = open_checkpoint(llama_dir)
+    ref = reference_tensors(llama_dir)
+    with RegionReader(ckpt, LazyOptions()) as reads:
+        rec = Recording(reads.read_alone)
+        name, w = next((n, w) for n, w in lazy_weights(ckpt, rec) if n.endswith("q_proj.weight"))
+        t = ref[name]
+        assert w.view(1, *w.shape).shape == (1, *t.shape) and not rec.opaque  # followed: nothing read
+        rows = w.narrow(0, 0, 4)
+        got = rows.view(2, -1, t.shape[1])
+        assert torch.equal(got, t.narrow(0, 0, 4).view(2, -1, t.shape[1]))
+        assert [(r.starts, r.sizes) for r in rec.opaque] == [((0, 0), (4, t.shape[1]))]
+        assert torch.equal(w.view(torch.int16), t.view(torch.int16))
+
+
+def test_log_line_numbers_read_back():
+    """The worker's log line (what the vLLM tests and benchmarks read): every number `summary` writes, `fields`
+    reads back as written, behind the log prefix vLLM puts before it; a line of another kind is None."""
+    stats = LazyStats(backend="cooperative", node_processes=2, bytes_needed=625920, in_place_bytes=4096,
+                      planned_bytes_read=629216, planned_requests=7, batches=3, read_seconds=0.25, opaque_regions=1,
+                      opaque_bytes=128, unplanned_regions=2, unplanned_bytes=64)
+    line = summary(1, stats, 1251840, 1251840, "rerun", "a copy was read", None, 1.5)
+    got = fields(f"(EngineCore pid=7) INFO 01-02 03:04:05 [vllm.py:115] {line}")
+    assert got == {"rank": 1, "backend": "cooperative", "mode": "rerun", "node_processes": 2, "param_bytes": 1251840,
+                   "bytes_needed": 625920, "in_place_bytes": 4096, "checkpoint_bytes": 1251840,
+                   "planned_bytes_read": 629216, "planned_requests": 7, "node_bytes": 0, "received_bytes": 0,
+                   "rchar": None, "batches": 3, "opaque_regions": 1, "opaque_bytes": 128, "whole_opaque": 0,
+                   "unplanned_regions": 2, "unplanned_bytes": 64, "read_seconds": 0.25, "seconds": 1.5}
+    assert "rerun (a copy was read)" in line and fields(summary(0, stats, 1, 1, "replay", "", 12, 0.0))["rchar"] == 12
+    assert fields("INFO Loading weights took 0.42 seconds [default_loader.py:1]") is None

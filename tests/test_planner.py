@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from planlib import apply_reads, as_bytes, read_ranges, reference_shard
 from safetensors.torch import save_file
 
+from raylazy.core.boxes import Region, gathering
 from raylazy.core.checkpoint import Checkpoint, ModelConfig
 from raylazy.core.dtypes import DTYPE_BITS
-from raylazy.core.header import parse_header
+from raylazy.core.header import TensorInfo, parse_header
 from raylazy.core.placements import Fused, Heads, Replicated, Skip, Split
 from raylazy.core.plans import Plan
 from raylazy.core.rules import PRESETS, Rule
@@ -748,3 +749,23 @@ def test_property_reads_cover_each_byte_once(shape, dtype, tp, dim_seed, replica
         assert shard.bytes_needed == len(expected_bits) // 8 == shard.nbytes
     if not replicated:
         assert cover == [1] * info.nbytes
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4).map(tuple), data=st.data(),
+       max_gap=st.sampled_from([0, 1 << 20]))
+def test_property_a_box_reads_its_elements_in_order(shape, data, max_gap):
+    """Any box of a tensor (several dims cut, as lazy weights narrow them; `core.boxes.box_reads`, the geometry the
+    planner's slices use too): its reads, run against the file, give torch's own slice of the tensor, byte for
+    byte; rows are gathered only where the gap allows."""
+    starts = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    sizes = tuple(data.draw(st.integers(1, n - a)) for n, a in zip(shape, starts))
+    full = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.int16).reshape(shape)
+    header = b"x" * 24  # the tensor's bytes start past a header
+    blob = header + full.numpy().tobytes()
+    region = Region(0, TensorInfo("t", "I16", shape, len(header), len(blob)), starts, sizes)
+    shard = region.shard("t", gathering(max_gap, None), "t.safetensors")
+    assert shard.shape == sizes
+    want = full[tuple(slice(a, a + n) for a, n in zip(starts, sizes))].contiguous()
+    assert apply_reads(shard, [blob]) == want.numpy().tobytes()
+    assert all(r.gather == (r.stride - r.length <= max_gap) for r in shard.reads if r.count > 1)

@@ -30,7 +30,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import pytest
 import torch
 from checkpoints import build_checkpoint
 
+from raylazy.integrations.report import fields
 from raylazy.storage.objects import HEAD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,9 +172,8 @@ def _start(python: str, runs: list[dict], env: dict) -> tuple[list[dict], dict |
             elif line.startswith("RESULT "):
                 got.append(json.loads(line[len("RESULT "):]) | {"lines": own})
                 lines, own = [], []
-            elif "raylazy: rank" in line:
-                fields = re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]"))
-                lines.append({k: int(v) if v.isdigit() else v for k, v in fields})
+            elif (numbers := fields(line)) is not None:
+                lines.append(numbers)
         results += got
         plugins = plugins or next((json.loads(line[len("PLUGINS "):]) for line in out.splitlines()
                                    if line.startswith("PLUGINS ")), None)

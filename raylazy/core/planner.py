@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import re
 from contextlib import contextmanager
-from math import prod
 from typing import NamedTuple
 
 from ..errors import (
@@ -15,14 +14,14 @@ from ..errors import (
     StageError,
     UnsupportedQuantizationError,
 )
+from .boxes import Gather, box_reads, gathering, whole_reads
 from .checkpoint import Checkpoint
 from .costs import CostModel
-from .dtypes import DTYPE_BITS
 from .header import TensorInfo
 from .mesh import Mesh
 from .options import PlanOptions
 from .placements import Placement, ShardContext, Slicing
-from .plans import FileRef, Plan, RankPlan, Read, TensorShard
+from .plans import FileRef, Plan, RankPlan, TensorShard
 from .quantization import Following
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
 from .stages import layer_index, partition, tensor_stages
@@ -42,8 +41,7 @@ class Placed(NamedTuple):
 @contextmanager
 def gc_paused():
     """Pause Python's cyclic garbage collector: a large checkpoint's headers and plan are ~10^5 small acyclic
-    objects, and the collector's passes over them (and over all else alive) cost more than planning itself
-    (DeepSeek-V3, 45k tensors: 1.2-1.8 s of CPU with it, 0.75 s without)."""
+    objects, and the collector's passes over them (and over all else alive) would cost more than planning itself."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -97,7 +95,7 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dic
     its weight's name, and is held by the ranks that hold its weight (asked once for the weight and all its
     companions)."""
     mesh, cfg = opts.mesh, ckpt.config
-    tp, ep, uneven, max_gap = mesh.tp, opts.expert_parallel, opts.uneven, opts.max_gap or 0
+    tp, ep, uneven, gather = mesh.tp, opts.expert_parallel, opts.uneven, gathering(opts.max_gap, cost)
     heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
     per_rank: list[list[TensorShard]] = [[] for _ in range(mesh.size // mesh.dp)]
     ranks = [[mesh.rank(pp=s, tp=k) for k in range(tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
@@ -121,9 +119,9 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dic
                     slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name, coords[s][k], ep,
                                                                       experts))
                     if slicing is not None:
-                        lists[s][k].append(tensor_shard(fi, t, p.label, slicing, max_gap, ckpt.files[fi].path, cost))
+                        lists[s][k].append(tensor_shard(fi, t, p.label, slicing, gather))
                         continue
-                    whole = whole or tensor_shard(fi, t, p.label, None, 0)
+                    whole = whole or tensor_shard(fi, t, p.label, None, gather)
                     lists[s][k].append(whole)
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
@@ -205,36 +203,22 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], placed
                          cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
 
 
-def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, max_gap: int, path: str = "",
-                 cost: CostModel | None = None) -> TensorShard:
-    """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, with the
-    byte ranges to read (row gaps read through where `cost` estimates that sooner, else where at most `max_gap`
-    bytes; `path` names the file in errors)."""
+def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, gather: Gather) -> TensorShard:
+    """Tensor `t` of file `fi` as one rank's shard: all of it (`slicing` None) or the slicing's pieces, each a box
+    of the tensor (`raylazy.core.boxes`), its strided rows read as one range where `gather` says."""
+    shape = t.shape
     if slicing is None:
-        return TensorShard(t.name, fi, t.start, t.dtype, t.shape, t.shape, placement, None, (),
-                           (Read(fi, t.start, t.end - t.start, 0),) if t.end > t.start else ())
-    d, shape = slicing.dim, t.shape
-    bits = DTYPE_BITS[t.dtype]
-    outer, inner_bits = prod(shape[:d]), prod(shape[d + 1 :]) * bits
-    reads = []
-    for p in slicing.pieces:
-        if p.length == 0 or outer == 0 or inner_bits == 0:
-            continue
-        offs = (p.src * inner_bits, p.length * inner_bits, shape[d] * inner_bits, p.dst * inner_bits,
-                slicing.length * inner_bits)
-        contiguous = outer == 1 or offs[1] == offs[2] == offs[4]  # one range: only its ends must be whole bytes
-        if any(b % 8 for b in ((offs[0], offs[1] * outer, offs[3]) if contiguous else offs)):
-            raise PartialByteSliceError(f"{path}: tensor {t.name!r}: the slice [{p.src}:{p.src + p.length}] along dim {d} "
-                                        f"of {t.dtype} {list(shape)} does not start and end on whole bytes: split another "
-                                        "dim, or replicate the tensor")
-        if contiguous:
-            reads.append(Read(file=fi, offset=t.start + offs[0] // 8, length=offs[1] * outer // 8,
-                              dst_offset=offs[3] // 8))
-            continue
-        src, length, stride, dst, dst_stride = (b // 8 for b in offs)
-        gather = cost.gather(length, stride, outer) if cost is not None else stride - length <= max_gap
-        reads.append(Read(file=fi, offset=t.start + src, length=length, dst_offset=dst, count=outer,
-                          stride=stride, dst_stride=dst_stride, gather=gather))
-    out_shape = shape[:d] + (slicing.length,) + shape[d + 1 :]
-    return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=shape, shape=out_shape, placement=placement, dim=d,
-                       pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces), reads=tuple(reads))
+        return TensorShard(t.name, fi, t.start, t.dtype, shape, shape, placement, None, (), whole_reads(fi, t))
+    d, n = slicing.dim, len(shape)
+    out, box, at, reads = list(shape), list(shape), [0] * n, ()
+    out[d] = slicing.length
+    out = tuple(out)
+    try:
+        for p in slicing.pieces:  # each piece is the box of its entries along d, at its place in the shard
+            box[d], at[d] = p.length, p.dst
+            reads += box_reads(fi, t, (0,) * d + (p.src,) + (0,) * (n - d - 1), tuple(box), gather, (out, at))
+    except PartialByteSliceError as e:
+        raise PartialByteSliceError(f"{e}: split another dim, or replicate the tensor") from None
+    return TensorShard(name=t.name, file=fi, offset=t.start, dtype=t.dtype, full_shape=shape, shape=out,
+                       placement=placement, dim=d, pieces=tuple((p.src, p.dst, p.length) for p in slicing.pieces),
+                       reads=reads)

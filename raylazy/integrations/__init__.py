@@ -1,2 +1,2 @@
-"""raylazy inside other systems, built on the core and the readers (not on the Ray layer): `lazy` (tensor-like
-checkpoint weights whose use says which bytes to read) and `vllm` (a vLLM load format)."""
+"""raylazy inside other systems, on the core and the readers (not the Ray layer): lazy weights (`lazy`, `recording`,
+`options`, `serving`, `report`: which bytes a consumer's use says to read) and a vLLM load format (`vllm`)."""

@@ -1,162 +1,32 @@
-"""Checkpoint tensors as lazy, tensor-like weights whose use says which bytes to read, and the recording of a
-consumer's run over them.
+"""Checkpoint tensors as lazy, tensor-like weights whose use says which bytes to read.
 
-A consumer (vLLM's `model.load_weights`, with its own weight loaders) gets one `LazyWeight` per checkpoint
-tensor. What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing, `chunk`, `split`,
-`unbind`, `unsqueeze`, `squeeze`, `transpose`, `t`, `permute`, `reshape` or `view` that only add or drop
-dims of size 1, `contiguous`, and `to`/`float`/... (a conversion, applied when the bytes come). Such a weight
-is its `Region` (a box of the full tensor) seen through a `View` (which box dim each of its dims shows).
-`dst.copy_(weight)` and `dst[index] = weight` are copies the run defers (`Recording`); any other use
-(`.item()`, arithmetic, `torch.cat`, ...) is an op raylazy cannot follow: the weight's region, as far as it
-was narrowed, is read there and then, counted as opaque, and from then on the weight is that tensor.
-
-While recording (the first run), deferred copies are noted, not done. `Recording.replayable` says whether
-doing them afterwards, in any order that keeps overlapping destinations in turn, leaves the consumer's
-tensors as the run itself would have: no tensor written by a deferred copy was read or written by another op
-afterwards (a `TorchFunctionMode` watches the run), and every destination is one of the model's own tensors.
-Otherwise the consumer runs again (`raylazy.integrations.serving`).
+A consumer (vLLM's `model.load_weights`, with its own weight loaders) gets one `LazyWeight` per checkpoint tensor.
+What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing, `chunk`, `split`, `unbind`,
+`unsqueeze`, `squeeze`, `transpose`, `t`, `permute`, `reshape` or `view` that only add or drop dims of size 1,
+`contiguous`, and `to`/`float`/... (applied when the bytes come). Such a weight is its `Region` (a box of the full
+tensor, `raylazy.core.boxes`) seen through a `Lens` (which box dim each of its dims shows). `dst.copy_(weight)`
+and `dst[index] = weight` are copies its run defers (`raylazy.integrations.recording`); any other use (`.item()`,
+arithmetic, `torch.cat`, ...) is an op raylazy cannot follow: the weight's region, as far as it was narrowed, is
+read there and then, counted as opaque, and from then on the weight is that tensor.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import ceil, prod
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
-from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
+from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
-from ..core.dtypes import DTYPE_BITS, torch_dtype
-from ..core.header import TensorInfo
-from ..core.options import ReaderOptions, validated
-from ..core.plans import Read, TensorShard
-from ..errors import ConfigurationError, PartialByteSliceError
-
-#: Default bytes of regions read per batch (beyond those read straight into their destination).
-DEFAULT_BATCH_BYTES = 256 << 20
-#: Whether `count` rows of `length` bytes, `stride` bytes apart, are read as one range with their gaps:
-#: `gather(length, stride, count)`.
-Gather = Callable[[int, int, int], bool]
-
-
-class LazyOptions(BaseModel):
-    """How lazy weights are served: the reader (`ReaderOptions`: backend, threads, queue_size, chunk_bytes, ...),
-    row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
-    deciding each strided region on object storage), the batches (about `batch_bytes` of regions each
-    besides those read in place; `batches_ahead` read beyond the ones being used: host memory about
-    (batches_ahead + 2) x batch_bytes), and `replay` (False: always run the consumer a second time)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    reader: ReaderOptions = ReaderOptions()
-    max_gap: int | None = Field(None, ge=0)
-    batch_bytes: int = Field(DEFAULT_BATCH_BYTES, ge=4096)
-    batches_ahead: int = Field(1, ge=0, le=64)
-    replay: bool = True
-
-
-def lazy_options(options: Mapping | None) -> LazyOptions:
-    """Validate flat options (the reader's and LazyOptions' own): a ConfigurationError names each bad or unknown one."""
-    if not isinstance(options, Mapping):
-        raise ConfigurationError(f"options must be a mapping of option names to values, got {type(options).__name__}")
-    reader = {k: v for k, v in options.items() if k in ReaderOptions.model_fields}
-    rest = {k: v for k, v in options.items() if k not in reader}
-    return validated(LazyOptions, **rest, reader=validated(ReaderOptions, **reader))
+from ..core.dtypes import torch_dtype
 
 
 @dataclass(frozen=True)
-class Region:
-    """The box `starts` .. `starts + sizes` of tensor `tensor` (in checkpoint file `file`)."""
-
-    file: int
-    tensor: TensorInfo
-    starts: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @classmethod
-    def whole(cls, file: int, tensor: TensorInfo) -> Region:
-        return cls(file, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.sizes) * DTYPE_BITS[self.tensor.dtype] // 8
-
-    @property
-    def order(self) -> tuple:
-        """Where the region lies in the checkpoint: regions sort in file and byte order."""
-        return self.file, self.tensor.start, self.starts, self.sizes
-
-    def narrow(self, dim: int, start: int, length: int) -> Region:
-        """The region narrowed along box dim `dim` (already non-negative) to [start, start + length)."""
-        size = self.sizes[dim]
-        start = start + size if start < 0 else start
-        if start < 0 or length < 0 or start + length > size:
-            raise RuntimeError(f"{self.tensor.name}: narrow(dim={dim}, start={start}, length={length}) is out of "
-                               f"range for size {size}")
-        return Region(self.file, self.tensor, _put(self.starts, dim, self.starts[dim] + start),
-                      _put(self.sizes, dim, length))
-
-    def shard(self, name: str, gather: Gather, path: str) -> TensorShard:
-        """The region as one shard of a rank plan, named `name`: its box, in row-major order, its strided rows
-        read exactly or as one range with their gaps as `gather` says."""
-        t = self.tensor
-        cut = [d for d, (n, full) in enumerate(zip(self.sizes, t.shape)) if n != full]
-        pieces = ((self.starts[cut[0]], 0, self.sizes[cut[0]]),) if cut else ()
-        return TensorShard(name=name, file=self.file, offset=t.start, dtype=t.dtype, full_shape=t.shape,
-                           shape=self.sizes, placement="lazy", dim=cut[0] if cut else None, pieces=pieces,
-                           reads=box_reads(self, cut, gather, path))
-
-
-def box_reads(region: Region, cut: list[int], gather: Gather, path: str) -> tuple[Read, ...]:
-    """The reads of a box, with `cut` its dims narrower than the tensor. Along the last cut dim d, each run of
-    the box is contiguous in the file; runs over the whole dims between the last cut dim before d (j) and d are
-    one stride apart, so each index of the dims before j is one (strided) Read."""
-    t, starts, sizes, shape = region.tensor, region.starts, region.sizes, region.tensor.shape
-    bits = DTYPE_BITS[t.dtype]
-    if not prod(sizes):
-        return ()
-    if not cut:
-        return (Read(file=region.file, offset=t.start, length=t.nbytes, dst_offset=0),)
-    d = cut[-1]
-    j = max((k for k in cut if k < d), default=0)
-    run, stride = sizes[d] * prod(shape[d + 1:]) * bits, prod(shape[d:]) * bits  # bits of a run, between runs
-    count = sizes[j] * prod(shape[j + 1 : d]) if d else 1
-    base = starts[d] * prod(shape[d + 1:]) * bits + (starts[j] * prod(shape[j + 1:]) * bits if d else 0)
-    reads = []
-    for n, outer in enumerate(_indices(sizes[:j] if d else ())):
-        src = base + sum((starts[k] + o) * prod(shape[k + 1:]) * bits for k, o in enumerate(outer))
-        dst = n * count * run
-        if any(b % 8 for b in (src, run, dst) + ((stride,) if count > 1 else ())):
-            raise PartialByteSliceError(f"{path}: tensor {t.name!r}: the box {list(sizes)} at {list(starts)} of "
-                                        f"{t.dtype} {list(shape)} does not start and end on whole bytes")
-        src, length, step, dst = src // 8, run // 8, stride // 8, dst // 8
-        if count == 1:
-            reads.append(Read(file=region.file, offset=t.start + src, length=length, dst_offset=dst))
-        else:
-            reads.append(Read(file=region.file, offset=t.start + src, length=length, dst_offset=dst, count=count,
-                              stride=step, dst_stride=length, gather=gather(length, step, count)))
-    return tuple(reads)
-
-
-def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """Every index of a box of `sizes`, in row-major order (one empty index for no dims)."""
-    if not sizes:
-        yield ()
-        return
-    for i in range(sizes[0]):
-        for rest in _indices(sizes[1:]):
-            yield (i,) + rest
-
-
-def _put(values: tuple, i: int, v) -> tuple:
-    return values[:i] + (v,) + values[i + 1 :]
-
-
-@dataclass(frozen=True)
-class View:
+class Lens:
     """How a lazy weight shows its region's box: its dim i is box dim `dims[i]` (None: a dim of size 1 it
     added); box dims it does not show have size 1. `dtype` and `device`: conversions asked (None: none)."""
 
@@ -178,7 +48,7 @@ class View:
 
     @property
     def in_order(self) -> bool:
-        """Whether the view shows the box's bytes in their own order (dims of size 1 added or dropped aside)."""
+        """Whether the lens shows the box's bytes in their own order (dims of size 1 added or dropped aside)."""
         kept = [d for d in self.dims if d is not None]
         return kept == sorted(kept)
 
@@ -187,8 +57,7 @@ def lazy_weights(ckpt: Checkpoint, run) -> Iterator[tuple[str, LazyWeight]]:
     """(name, LazyWeight) for every tensor of the checkpoint, in file order; `run` (a `Recording`, or a
     `raylazy.integrations.serving.Serving`) takes their bytes and copies."""
     for fi, t in ckpt.tensors():
-        region = Region.whole(fi, t)
-        yield t.name, LazyWeight(run, region, View(tuple(range(len(t.shape)))))
+        yield t.name, LazyWeight(run, Region.whole(fi, t), Lens(tuple(range(len(t.shape)))))
 
 
 def _follows(method: Callable) -> Callable:
@@ -205,20 +74,20 @@ def _follows(method: Callable) -> Callable:
 
 
 class LazyWeight:
-    """A checkpoint tensor that reads nothing until used; rearranging it only changes its region and view. Like
+    """A checkpoint tensor that reads nothing until used; rearranging it only changes its region and lens. Like
     a tensor, it takes attributes of the consumer's own (vLLM tags weights with a `shard_id`)."""
 
-    def __init__(self, run, region: Region, view: View):
-        self.run, self.region, self.view = run, region, view
+    def __init__(self, run, region: Region, lens: Lens):
+        self.run, self.region, self.lens = run, region, lens
         self._data = None  # the tensor, once an op that cannot be followed read it
 
     def __repr__(self) -> str:
         return f"LazyWeight({self.region.tensor.name!r}, starts={self.region.starts}, sizes={self.region.sizes})"
 
     def _with(self, region: Region | None = None, dims: tuple | None = None, **conversion) -> LazyWeight:
-        view = View(self.view.dims if dims is None else dims, conversion.get("dtype", self.view.dtype),
-                    conversion.get("device", self.view.device))
-        return LazyWeight(self.run, region or self.region, view)
+        lens = Lens(self.lens.dims if dims is None else dims, conversion.get("dtype", self.lens.dtype),
+                    conversion.get("device", self.lens.device))
+        return LazyWeight(self.run, region or self.region, lens)
 
     def _dim(self, dim: int, extra: int = 0) -> int:
         n = self.ndim + extra
@@ -231,22 +100,7 @@ class LazyWeight:
     def shape(self) -> torch.Size:
         if self._data is not None:
             return self._data.shape
-        return torch.Size(self.region.sizes[d] if d is not None else 1 for d in self.view.dims)
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def dim(self) -> int:
-        return self.ndim
-
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    nelement = numel
+        return torch.Size(self.region.sizes[d] if d is not None else 1 for d in self.lens.dims)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -255,24 +109,15 @@ class LazyWeight:
     def dtype(self) -> torch.dtype:
         if self._data is not None:
             return self._data.dtype
-        return self.view.dtype or torch_dtype(self.region.tensor.dtype)
+        return self.lens.dtype or torch_dtype(self.region.tensor.dtype)
 
     @property
     def device(self) -> torch.device:
         if self._data is not None:
             return self._data.device
-        return self.view.device or torch.device("cpu")
+        return self.lens.device or torch.device("cpu")
 
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
-    def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
-        return True  # whatever it becomes is made contiguous when read
-
-    # what only changes the region or the view
+    # what only changes the region or the lens (`lens`, not `view`: a weight follows torch's view())
     @_follows
     def detach(self) -> LazyWeight:
         return self._with()
@@ -288,7 +133,7 @@ class LazyWeight:
     @_follows
     def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
         dim = self._dim(dim)
-        box = self.view.dims[dim]
+        box = self.lens.dims[dim]
         if box is not None:
             return self._with(self.region.narrow(box, start, length))
         if (start in (0, -1) and length == 1) or length == 0 and start in (0, 1):
@@ -304,7 +149,7 @@ class LazyWeight:
             raise IndexError(f"{self.region.tensor.name}: index {index} is out of bounds for dimension {dim} "
                              f"with size {n}")
         out = self.narrow(dim, index % n, 1)
-        return out._with(dims=out.view.dims[:dim] + out.view.dims[dim + 1 :])
+        return out._with(dims=out.lens.dims[:dim] + out.lens.dims[dim + 1 :])
 
     @_follows
     def unbind(self, dim: int = 0) -> tuple[LazyWeight, ...]:
@@ -313,14 +158,14 @@ class LazyWeight:
     @_follows
     def unsqueeze(self, dim: int) -> LazyWeight:
         dim = self._dim(dim, extra=1)
-        return self._with(dims=self.view.dims[:dim] + (None,) + self.view.dims[dim:])
+        return self._with(dims=self.lens.dims[:dim] + (None,) + self.lens.dims[dim:])
 
     @_follows
     def squeeze(self, dim=None) -> LazyWeight:
         dims = range(self.ndim) if dim is None else [self._dim(d) for d in (dim if isinstance(dim, (tuple, list))
                                                                            else (dim,))]
         drop = {d for d in dims if self.shape[d] == 1}
-        return self._with(dims=tuple(b for i, b in enumerate(self.view.dims) if i not in drop))
+        return self._with(dims=tuple(b for i, b in enumerate(self.lens.dims) if i not in drop))
 
     @_follows
     def permute(self, *dims) -> LazyWeight:
@@ -329,7 +174,7 @@ class LazyWeight:
         if sorted(order) != list(range(self.ndim)):
             raise RuntimeError(f"{self.region.tensor.name}: permute({list(dims)}) is not a permutation of "
                                f"{self.ndim} dims")
-        return self._with(dims=tuple(self.view.dims[d] for d in order))
+        return self._with(dims=tuple(self.lens.dims[d] for d in order))
 
     @_follows
     def transpose(self, dim0: int, dim1: int) -> LazyWeight:
@@ -362,7 +207,7 @@ class LazyWeight:
         if prod(shape) != self.numel() or [n for n in shape if n != 1] != [n for _, n in mine]:
             return self.materialize().reshape(shape)
         it = iter(mine)
-        return self._with(dims=tuple(None if n == 1 else self.view.dims[next(it)[0]] for n in shape))
+        return self._with(dims=tuple(None if n == 1 else self.lens.dims[next(it)[0]] for n in shape))
 
     @_follows
     def view(self, *shape):
@@ -373,7 +218,7 @@ class LazyWeight:
     @_follows
     def to(self, *args, **kwargs):
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # how torch itself reads to()'s arguments
-        return self._with(dtype=dtype or self.view.dtype, device=device or self.view.device)
+        return self._with(dtype=dtype or self.lens.dtype, device=device or self.lens.device)
 
     def float(self): return self.to(torch.float32)  # noqa: E704
     def half(self): return self.to(torch.float16)  # noqa: E704
@@ -422,13 +267,16 @@ class LazyWeight:
     def materialize(self) -> torch.Tensor:
         """The weight as a tensor (for an op raylazy cannot follow: its region is read as far as narrowed)."""
         if self._data is None:
-            self._data = self.view.of(self.run.take(self.region), self.region.sizes)
+            self._data = self.lens.of(self.run.take(self.region), self.region.sizes)
         return self._data
 
     def __getattr__(self, name: str):
-        """Any other tensor attribute reads the region; a name tensors lack is an AttributeError (reading nothing)."""
+        """What only the shape and dtype say (`size()`, `numel()`, ...) is a meta tensor's answer; any other tensor
+        attribute reads the region; a name tensors lack is an AttributeError (reading nothing)."""
         if name.startswith("_") or not hasattr(torch.Tensor, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in _SHAPE_ONLY and self._data is None:
+            return getattr(torch.empty(self.shape, dtype=self.dtype, device="meta"), name)
         return getattr(self.materialize(), name)
 
     @classmethod
@@ -454,15 +302,13 @@ def _basic(key) -> bool:
 
 
 def _materialized(value):
-    if isinstance(value, LazyWeight):
-        return value.materialize()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_materialized(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _materialized(v) for k, v in value.items()}
-    return value
+    """`value` with every lazy weight in it (in lists, tuples and dicts too) read."""
+    return tree_map(lambda v: v.materialize() if isinstance(v, LazyWeight) else v, value)
 
 
+#: Tensor methods whose answer only the shape and dtype give (contiguous: whatever it becomes is made so when read).
+_SHAPE_ONLY = frozenset({"size", "dim", "ndim", "numel", "nelement", "element_size", "is_floating_point",
+                         "is_complex", "is_contiguous"})
 #: torch functions a LazyWeight follows, and its method doing it.
 _FOLLOWED = {f: name for name in ("narrow", "chunk", "split", "unbind", "select", "squeeze", "unsqueeze",
                                   "transpose", "permute", "t", "reshape", "detach", "contiguous", "clone")
@@ -480,132 +326,3 @@ def _operator(name: str):
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__",
               "__float__", "__int__", "__array__"):
     setattr(LazyWeight, _name, _operator(_name))
-
-
-@dataclass(frozen=True)
-class Copy:
-    """A copy a run deferred: `dst.copy_(weight)` (the weight's region seen through its view)."""
-
-    dst: torch.Tensor
-    region: Region
-    view: View
-
-
-class Recording:
-    """The first run: copies deferred (`copies`, in order), regions used by ops that cannot be followed read at
-    once by `read_now(region)` (`opaque`, with their takes), and whether the deferred copies can be replayed."""
-
-    def __init__(self, read_now: Callable[[Region], torch.Tensor]):
-        self.read_now = read_now
-        self.copies: list[Copy] = []
-        self.opaque: dict[Region, int] = {}
-        self.why_not_replayable = ""  # the first reason, if any
-        self._written: dict[int, list[tuple[int, int]]] = {}  # storage -> byte extents deferred copies write
-
-    @property
-    def replayable(self) -> bool:
-        return not self.why_not_replayable
-
-    def take(self, region: Region) -> torch.Tensor:
-        self.opaque[region] = self.opaque.get(region, 0) + 1
-        return self.read_now(region)
-
-    def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
-        if tuple(dst.shape) != tuple(torch.broadcast_shapes(dst.shape, weight.shape)):
-            raise RuntimeError(f"{weight.region.tensor.name}: cannot copy a tensor of shape {list(weight.shape)} "
-                               f"into one of shape {list(dst.shape)}")
-        self.copies.append(Copy(dst, weight.region, weight.view))
-        key, lo, hi = extent(dst)
-        if hi > lo:
-            self._written.setdefault(key, []).append((lo, hi))
-        return dst
-
-    def not_replayable(self, why: str) -> None:
-        self.why_not_replayable = self.why_not_replayable or why
-
-    def watching(self) -> _Watch:
-        """A context in which every torch op is watched for use of what a deferred copy wrote (see `_Watch`)."""
-        return _Watch(self)
-
-    def overlaps(self, t: torch.Tensor) -> bool:
-        key, lo, hi = extent(t)
-        return any(a < hi and lo < b for a, b in self._written.get(key, ()))
-
-    def check_targets(self, tensors) -> None:
-        """Not replayable unless every copy's destination lies in one of `tensors` (the model's parameters and
-        buffers, as the run left them)."""
-        storages = {t.untyped_storage().data_ptr() for t in tensors}
-        stray = next((c for c in self.copies if c.dst.untyped_storage().data_ptr() not in storages), None)
-        if stray is not None:
-            self.not_replayable(f"{stray.region.tensor.name!r} was copied into a tensor that is not one of the "
-                                "model's parameters or buffers")
-
-
-def extent(t: torch.Tensor) -> tuple[int, int, int]:
-    """(storage, first byte, end byte) of the memory a tensor spans (end = first for an empty one)."""
-    if not t.numel():
-        return 0, 0, 0
-    size = t.element_size()
-    lo = t.storage_offset() * size
-    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    return t.untyped_storage().data_ptr(), lo, lo + span * size
-
-
-#: Tensor attributes and methods that neither read nor write the data.
-_METADATA = frozenset({
-    "shape", "size", "dim", "ndim", "numel", "nelement", "dtype", "device", "stride", "storage_offset",
-    "is_contiguous", "element_size", "layout", "requires_grad", "requires_grad_", "is_cuda", "is_cpu", "is_meta",
-    "data_ptr", "untyped_storage", "nbytes", "itemsize", "__len__", "is_floating_point", "is_complex", "is_sparse",
-    "is_quantized", "names", "grad", "_version", "__hash__", "is_leaf", "output_nr", "_base", "is_inference"})
-#: Tensor methods whose result may be a view of their input (then nothing was read).
-_VIEWS = frozenset({
-    "narrow", "select", "__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT",
-    "permute", "unsqueeze", "squeeze", "expand", "expand_as", "chunk", "split", "unbind", "as_strided", "detach",
-    "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal", "contiguous", "data",
-    "tensor_split", "split_with_sizes", "unfold", "__torch_function__", "_make_subclass", "__new__", "to"})
-
-
-def _op_name(func) -> str:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):  # a property: Tensor.data.__get__ is "data", its setter "data="
-        return getattr(getattr(func, "__self__", None), "__name__", name) + ("=" if name == "__set__" else "")
-    return name
-
-
-def _tensors(value) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
-class _Watch(TorchFunctionMode):
-    """Marks a recording not replayable at the first op that reads or writes bytes a deferred copy writes (which
-    the run has not written yet): a view of them, or their shape, is no use of their bytes."""
-
-    def __init__(self, recording: Recording):
-        super().__init__()
-        self.recording = recording
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        rec = self.recording
-        if rec._written and rec.replayable and not any(issubclass(t, LazyWeight) for t in types):
-            name = _op_name(func)
-            if name not in _METADATA:
-                hit = [t for t in _tensors((args, kwargs)) if rec.overlaps(t)]
-                if hit and not (name in _VIEWS and _views_of(out, hit[0])):
-                    rec.not_replayable(f"{name} used a tensor that a deferred copy writes, after that copy")
-        return out
-
-
-def _views_of(out, t: torch.Tensor) -> bool:
-    """Whether every tensor in `out` shares `t`'s storage (a view: nothing read)."""
-    outs = list(_tensors(out))
-    key = t.untyped_storage().data_ptr()
-    return all(o.untyped_storage().data_ptr() == key for o in outs)

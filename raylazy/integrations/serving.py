@@ -1,119 +1,76 @@
 """Reading the regions a run of lazy weights took (`raylazy.integrations.lazy`) with raylazy's readers, in batches
 on a background thread, and handing them out: to a replay of the run's deferred copies, or to a second run.
 
-`Reads` reads regions of one checkpoint: its files are opened and checked against their headers once, on first
-use, and kept open for every read of the load. Each region is one shard of a rank plan (its box, read exactly);
-fastsafetensors, which reads whole tensors, gets each tensor once and the regions are cut from it.
-
-`Serving` reads the regions a process wants in batches, in checkpoint order, cut so that no process holds more
-than `batch_bytes` of regions beyond those read straight into their destination (replay's in-place reads). The
-processes loading the checkpoint at once on one node (vLLM's workers: a `NodeGroup`) read together, as raylazy
-reads a node: every one of them cuts the node's regions into the same batches, and each batch is one node
-read (`raylazy.core.schedule.node_schedule`), with `cooperative` through the page cache
-(`raylazy.io.cooperative`) or the `exchange` over a process group of raylazy's own (gloo on CPUs, NCCL on GPUs,
-`raylazy.io.exchange`), as `raylazy.io.backends.backend_for` picks for `auto`; a process alone on its node, or
-asked for `ranged` or `fastsafetensors`, reads its own regions.
+`RegionReader` reads regions of one checkpoint, each one shard of a rank plan (its box, read exactly; whole
+tensors for fastsafetensors, the regions cut from them), its files checked once and kept open for the load.
+`Serving` reads the regions a process wants in batches, in checkpoint order, so that no process holds more than
+`batch_bytes` of regions beyond those read straight into their destination. The processes loading the checkpoint
+at once on one node (vLLM's workers: a `NodeGroup`) cut the node's regions into the same batches, each one node
+read (`raylazy.core.schedule.node_schedule`) with the backend `raylazy.io.backends.backend_for` picks; a process
+alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own regions.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from math import prod
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from ..core.boxes import Region, batch_cuts, gathering
 from ..core.checkpoint import Checkpoint
-from ..core.dtypes import itemsize, torch_dtype
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
 from ..io.collective import Exchange, collective_backend, node_address
-from ..io.stats import ReadStats
-from ..storage import open_planned, storage_for
-from .lazy import Copy, LazyOptions, LazyWeight, Region, extent
+from ..storage import open_planned_files, storage_for
+from .lazy import LazyWeight
+from .options import LazyOptions
+from .recording import Copy, overlapping
+from .report import LazyStats
 
 
-@dataclass
-class LazyStats:
-    """What serving a run took. Counted: `regions` and `bytes_needed` (the distinct regions wanted, their bytes),
-    `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
-    follow took, read at once as far as narrowed; `whole_opaque`: of whole tensors), `unplanned_*` (regions a
-    second run took that the first did not). Planned (the readers' plan or node schedule arithmetic, not
-    measured): `planned_bytes_read`, `planned_requests`, `node_bytes` (the node's union, once). Measured:
-    `received_bytes` (from the node's other processes), `read_seconds`."""
-
-    backend: str = "ranged"
-    node_processes: int = 1
-    regions: int = 0
-    bytes_needed: int = 0
-    in_place_bytes: int = 0
-    planned_bytes_read: int = 0
-    planned_requests: int = 0
-    node_bytes: int = 0
-    received_bytes: int = 0
-    batches: int = 0
-    read_seconds: float = 0.0
-    opaque_regions: int = 0
-    opaque_bytes: int = 0
-    whole_opaque: int = 0
-    unplanned_regions: int = 0
-    unplanned_bytes: int = 0
-
-    def add_read(self, stats: ReadStats) -> None:
-        self.planned_bytes_read += stats.bytes_read
-        self.planned_requests += stats.requests
-        self.received_bytes += stats.bytes_received
-        self.read_seconds += stats.seconds
-
-
-class Reads:
-    """Regions of one checkpoint read with raylazy's readers; use as a context manager (it holds the files open).
-    Every read's statistics add up in `stats`."""
+class RegionReader:
+    """Regions of one checkpoint read with raylazy's readers (a context manager: it holds the files open), every
+    read counted in `stats`."""
 
     def __init__(self, ckpt: Checkpoint, options: LazyOptions):
         self.ckpt, self.options = ckpt, options
         self.files = tuple(map(FileRef.of, ckpt.files))
         self.stats = LazyStats()
         self._sources: dict[int, object] = {}
+        self._open = ExitStack()  # the files opened, closed on leaving
         self._lock = threading.Lock()
         self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
-        self._cost = None if options.max_gap is not None else \
-            storage_for(ckpt.root, options.reader.storage_options).cost_model()
+        self._gather = gathering(options.max_gap, None if options.max_gap is not None else
+                                 storage_for(ckpt.root, options.reader.storage_options).cost_model())
 
-    def __enter__(self) -> Reads:
+    def __enter__(self) -> RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        for source in self._sources.values():
-            source.close()
+        self._open.close()
         self._sources.clear()
 
     def sources(self, files) -> dict[int, object]:
         """The files, opened and checked against the checkpoint's headers the first time one is asked for."""
         with self._lock:
-            for f in files:
-                if f not in self._sources:
-                    self._sources[f] = open_planned(self._none, f, self.options.reader.storage_options)
+            if new := [f for f in files if f not in self._sources]:
+                self._sources.update(self._open.enter_context(open_planned_files(
+                    self._none, new, self.options.reader.storage_options)))
             return {f: self._sources[f] for f in files}
 
     def shard(self, region: Region, name: str):
-        """The plan entry reading `region` (what the tests' broken loader overrides)."""
+        """The plan entry reading `region`."""
         return region.shard(name, self._gather, self.ckpt.files[region.file].path)
-
-    def _gather(self, length: int, stride: int, count: int) -> bool:
-        """Strided rows read as one range: as `max_gap` says, or where it is None, as the storage's cost model
-        estimates sooner (object storage), or never (local files, where a request costs little)."""
-        if self._cost is not None:
-            return self._cost.gather(length, stride, count)
-        return stride - length <= (self.options.max_gap or 0)
 
     def rank_plan(self, rank: int, regions: list[Region], mesh: Mesh = Mesh()) -> RankPlan:
         """Rank `rank`'s plan for `regions`: one shard each, named after its tensor and box."""
@@ -142,15 +99,14 @@ class Reads:
         tensors = {r.tensor.name: Region.whole(r.file, r.tensor) for r in regions}
         plan = RankPlan(rank=0, mesh=Mesh(), files=self.files,
                         tensors=tuple(self.shard(w, name) for name, w in tensors.items()))
-        got, stats = read_rank(plan, device, options=self.options.reader, sources=self.sources(
-            sorted({w.file for w in tensors.values()})))
+        got, stats = read_rank(plan, device, options=self.options.reader,
+                               sources=self.sources(sorted({w.file for w in tensors.values()})))
         with self._lock:
             self.stats.add_read(stats)
         return {r: got[r.tensor.name][tuple(slice(a, a + n) for a, n in zip(r.starts, r.sizes))] for r in regions}
 
     def read_alone(self, region: Region) -> torch.Tensor:
-        """One region, read at once by this process alone, on the CPU, where checkpoint tensors are (an op raylazy
-        cannot follow asked for it)."""
+        """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow)."""
         return self.read([region], backend=solo_backend(self.options.reader.backend))[region]
 
 
@@ -171,12 +127,8 @@ class NodeGroup(Protocol):
 
 def node_key() -> str:
     """What identifies this machine (its page cache): the host name and the kernel's boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    boot = "/proc/sys/kernel/random/boot_id"
+    return f"{socket.gethostname()}/{Path(boot).read_text().strip() if os.path.exists(boot) else ''}"
 
 
 @dataclass
@@ -190,24 +142,6 @@ class _Peer:
     wants: list[tuple[int, tuple, tuple, int]]
 
 
-def batch_cuts(wants: list[dict[Region, int]], budget: float) -> list[list[list[Region]]]:
-    """The node's regions in checkpoint order, cut into batches (batch -> process -> its regions) so that no
-    process holds more than `budget` bytes (its regions' held bytes: 0 for those read in place) in one batch."""
-    regions = sorted({r for w in wants for r in w}, key=lambda r: r.order)
-    batches: list[list[list[Region]]] = []
-    held = [0] * len(wants)
-    for r in regions:
-        add = [w.get(r) for w in wants]
-        if not batches or any(h + (a or 0) > budget and h for h, a in zip(held, add)):
-            batches.append([[] for _ in wants])
-            held = [0] * len(wants)
-        for i, a in enumerate(add):
-            if a is not None:
-                batches[-1][i].append(r)
-                held[i] += a
-    return batches
-
-
 @dataclass
 class _Batch:
     regions: list[Region]  # this process's
@@ -218,14 +152,13 @@ class _Batch:
 
 
 class Serving:
-    """Reads the regions this process wants (`takes`: region -> times taken) onto `device` in batches on a
-    background thread and hands them out (`take`, `copy_into`, `replay`). `out`: regions read straight into a
-    destination. `group`: the processes loading the checkpoint at once, for the node backends (making a Serving
-    is then a collective: every one of them makes its own). The reader stays at most `batches_ahead` batches
-    beyond the ones not yet fully taken, unless a take waits for a later batch. Use as a context manager:
-    leaving it stops the reader."""
+    """Reads the regions this process wants (`takes`: region -> times taken; `out`: those read straight into a
+    destination) onto `device` in batches on a background thread, at most `batches_ahead` beyond the ones not yet
+    fully taken unless a take waits for a later one, and hands them out (`take`, `copy_into`, `replay`). `group`:
+    the processes loading the checkpoint at once (making a Serving is then a collective). Use as a context
+    manager: leaving it stops the reader."""
 
-    def __init__(self, reads: Reads, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
+    def __init__(self, reads: RegionReader, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
                  group: NodeGroup | None = None, device: str | torch.device = "cpu"):
         self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
         self._left, self._out = dict(takes), dict(out or {})
@@ -265,8 +198,8 @@ class Serving:
         first, local = peers[here[0]], here.index(group.rank)
         batches = [self._node_batch(cut, local, backend, f"{first.load_id}-{b}", first.address)
                    for b, cut in enumerate(batch_cuts(wants, budget))]
-        session = _exchange(batches, local, len(here), self.device, self.options.reader.stripe_timeout_s) \
-            if backend == "exchange" else nullcontext()
+        session = _exchange(local, len(here), first.address, self.device, self.options.reader.stripe_timeout_s) \
+            if backend == "exchange" and batches else nullcontext()
         return backend, batches, session
 
     def _alone(self, backend: str, budget: float) -> tuple[str, list[_Batch], object]:
@@ -346,14 +279,14 @@ class Serving:
         return self._ready.pop(region)
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
-        return _copy(dst, weight.view.of(self.take(weight.region), weight.region.sizes))
+        return Copy(dst, weight.region, weight.lens).do(self.take(weight.region))
 
     def replay(self, copies: list[Copy]) -> None:
         """Do the recorded copies: in batch order where no two destinations overlap, else in the order recorded."""
-        if not _overlapping([c.dst for c in copies]):
+        if not overlapping([c.dst for c in copies]):
             copies = sorted(copies, key=lambda c: self._batch_of[c.region])
         for c in copies:
-            _copy(c.dst, c.view.of(self.take(c.region), c.region.sizes))
+            c.do(self.take(c.region))
 
 
 class _Stopped(Exception):
@@ -361,50 +294,7 @@ class _Stopped(Exception):
 
 
 @contextmanager
-def _exchange(batches: list[_Batch], local: int, size: int, device: str, timeout_s: float) -> Iterator[Exchange | None]:
+def _exchange(local: int, size: int, address: str, device: str, timeout_s: float) -> Iterator[Exchange]:
     """One Exchange of the node's processes for all the batches (its rendezvous at the node's first process)."""
-    if not batches:
-        yield None
-        return
-    with Exchange(collective_backend(device), local, size, batches[0].node_read.address, timeout_s, device) as ex:
+    with Exchange(collective_backend(device), local, size, address, timeout_s, device) as ex:
         yield ex
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst.copy_(src), unless src is dst itself (read in place)."""
-    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride() or src.shape != dst.shape \
-            or src.dtype != dst.dtype:
-        dst.copy_(src)
-    return dst
-
-
-def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
-    """Indices of the tensors whose memory overlaps another's."""
-    spans = sorted((extent(t), i) for i, t in enumerate(tensors) if t.numel())
-    hit: set[int] = set()
-    for ((k1, _, e1), i), ((k2, s2, _), j) in zip(spans, spans[1:]):
-        if k1 == k2 and s2 < e1:
-            hit |= {i, j}
-    return hit
-
-
-def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Tensor]:
-    """The regions a replay can read straight into a destination: the first copy of each region whose
-    destination holds the box's bytes in their order (contiguous, its dtype, on `device`) and overlaps no
-    other destination. {region: the destination viewed with the box's sizes}."""
-    shared = _overlapping([c.dst for c in copies])
-    out: dict[Region, torch.Tensor] = {}
-    for i, c in enumerate(copies):
-        stored = torch_dtype(c.region.tensor.dtype)
-        if c.region in out or i in shared or itemsize(c.region.tensor.dtype) is None or not c.view.in_order:
-            continue
-        d = c.dst
-        if (c.view.dtype or stored) == stored == d.dtype and c.view.device in (None, d.device) and \
-                d.device == device and d.is_contiguous() and d.numel() == prod(c.region.sizes):
-            out[c.region] = d.view(c.region.sizes)
-    return out
-
-
-def wanted(copies: list[Copy], opaque: dict[Region, int] | None = None) -> dict[Region, int]:
-    """Region -> takes, of a replay of `copies` (and of a second run that also takes `opaque` again)."""
-    return dict(Counter(c.region for c in copies) + Counter(opaque or {}))

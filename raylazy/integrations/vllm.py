@@ -1,16 +1,12 @@
 """raylazy as a vLLM load format: `LLM(model, load_format="raylazy")`, `vllm serve DIR --load-format raylazy`
-(DIR a directory, a cached model id or an `s3://`, `gs://` or `az://` URI).
+(DIR a directory, a cached model id or an `s3://`, `gs://` or `az://` URI; docs/vllm.md).
 
 The `vllm.general_plugins` entry point (`register`) makes the format known in every vLLM process. In each
-worker, `RaylazyModelLoader` runs the model's own `load_weights` once over lazy weights
-(`raylazy.integrations.lazy`), which reads nothing for what it can follow and notes which region of each
-checkpoint tensor the worker's weight loaders copy where (its tensor-parallel slice, its experts, only its
-pipeline stage's layers), then reads those regions with raylazy's readers and does the copies
-(`raylazy.integrations.serving`). Where the recording cannot be replayed, the model's `load_weights` runs a
-second time and gets the regions' real bytes. The workers of a node read the union of their regions together
-(cooperative through the page cache on CPUs, the exchange on GPUs and for object storage), unless the options
-say `backend="ranged"` or `"fastsafetensors"`. Options come from `model_loader_extra_config` (`LazyOptions`).
-Each worker logs one line (`_summary`; its fields: docs/vllm.md).
+worker, `RaylazyModelLoader` records the model's own `load_weights` over lazy weights (`raylazy.integrations.lazy`:
+which region of each checkpoint tensor its weight loaders copy where), then reads those regions with raylazy's
+readers, with the node's other workers, and replays the copies, or runs `load_weights` again where the recording
+cannot be replayed (`raylazy.integrations.serving`). Options: `model_loader_extra_config` (`LazyOptions`). Each
+worker logs one line (`raylazy.integrations.report.summary`).
 """
 
 from __future__ import annotations
@@ -27,11 +23,13 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..core.checkpoint import Checkpoint
-from ..core.plans import format_bytes
 from ..io.stats import Meter
 from ..storage import open_checkpoint
-from .lazy import LazyOptions, Recording, lazy_options, lazy_weights
-from .serving import LazyStats, NodeGroup, Reads, Serving, in_place, wanted
+from .lazy import lazy_weights
+from .options import LazyOptions, lazy_options
+from .recording import Recording, in_place, wanted
+from .report import summary
+from .serving import NodeGroup, RegionReader, Serving
 
 logger = init_logger("vllm.raylazy")
 
@@ -48,11 +46,9 @@ def register() -> None:
 
 
 def _accept_object_storage() -> None:
-    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check. vLLM (0.32) fetches an
-    object-storage model's config files, keeps the URI in `model_config.model_weights`, then refuses every load
-    format but its own object-storage ones (`VllmConfig.try_verify_and_update_config`: "To load a model from
-    object storage (S3/GCS/Azure), 'load_format' must be 'modelexpress', 'runai_streamer' or
-    'runai_streamer_sharded'"), with no way for a plugin's format to say it reads such models. So for raylazy's
+    """Let `LLM(model="s3://...", load_format="raylazy")` past vLLM's config check: for an object-storage model
+    (its URI in `model_config.model_weights`) `VllmConfig.try_verify_and_update_config` refuses every load format
+    but vLLM's own object-storage ones, and a plugin's format cannot say it reads such models. So for raylazy's
     format and such a model only, the check runs with the format named as one it accepts, and raylazy's is put
     back after; once per process; where a vLLM has no such method nothing is changed."""
     from vllm.config import VllmConfig
@@ -77,8 +73,8 @@ def _accept_object_storage() -> None:
 
 
 class RaylazyModelLoader(BaseModelLoader):
-    """Loads each worker's regions of a safetensors checkpoint (a directory, a model id already in the Hugging
-    Face cache: nothing is downloaded, or an object-storage URI) with raylazy's readers."""
+    """Loads each worker's regions of a safetensors checkpoint (a directory, a model id in the Hugging Face cache:
+    nothing is downloaded, or an object-storage URI) with raylazy's readers."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
@@ -91,7 +87,7 @@ class RaylazyModelLoader(BaseModelLoader):
         meter = Meter()
         ckpt = _checkpoint(model_config, self.options)
         device = next(model.parameters()).device
-        with self.reads(ckpt) as reads:
+        with RegionReader(ckpt, self.options) as reads:
             recording = Recording(reads.read_alone)
             with recording.watching():
                 loaded = model.load_weights(lazy_weights(ckpt, recording))
@@ -110,22 +106,19 @@ class RaylazyModelLoader(BaseModelLoader):
         s.whole_opaque = sum(r.sizes == r.tensor.shape for r in recording.opaque)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         seconds, rchar = meter.elapsed()
-        logger.info(_summary(_rank(), s, ckpt, params, "replay" if replay else "rerun",
-                             recording.why_not_replayable, rchar, seconds))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        logger.info(summary(rank, s, ckpt.nbytes, params, "replay" if replay else "rerun", recording.why_not_replayable,
+                            rchar, seconds))
         if model_config.quantization is None and loaded is not None:
-            # the check vLLM's default loader makes: every parameter was loaded from the checkpoint
-            DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded)
-
-    def reads(self, ckpt: Checkpoint) -> Reads:
-        """What reads the worker's regions (the tests' broken loader, tests/vllm/peer_loader.py, overrides it)."""
-        return Reads(ckpt, self.options)
+            # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
+            # loader: it reads nothing of a loader but what every BaseModelLoader has
+            DefaultModelLoader.track_weights_loading(self, model, loaded)
 
 
 def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
-    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage
-    (`LLM(model="s3://bucket/prefix")`) vLLM fetches only its config and tokenizer files into a local directory,
-    which becomes `model`, and keeps the URI in `model_weights`: the weights are read from there, each worker's
-    ranges straight from the store, reached with the options' `storage_options` (else the environment)."""
+    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage vLLM
+    keeps the URI in `model_weights` (`model` is a local directory of its config files): the weights are read
+    from there, reached with the options' `storage_options` (else the environment)."""
     model = model_config.model_weights or model_config.model
     if model_config.revision and not model_config.model_weights and not os.path.exists(model):
         model = f"{model}@{model_config.revision}"
@@ -145,8 +138,8 @@ class _Workers:
 
 
 def _workers() -> NodeGroup | None:
-    """The engine's workers, which load at once (None outside an engine, or where vLLM's world holds other
-    engines' workers too, data-parallel replicas, which need not load when this one does)."""
+    """The engine's workers, which load at once (None outside an engine, or where vLLM's world also holds other
+    engines' workers: data-parallel replicas need not load when this one does)."""
     from vllm.distributed import parallel_state as ps
 
     try:
@@ -154,29 +147,3 @@ def _workers() -> NodeGroup | None:
     except AssertionError:  # vLLM's groups are not initialised in this process
         return None
     return _Workers(world) if world.world_size == tp.world_size * pp.world_size else None
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _summary(rank: int, s: LazyStats, ckpt: Checkpoint, params: int, mode: str, why: str, rchar: int | None,
-             seconds: float) -> str:
-    """The worker's log line: words, then the numbers as key=value (tests and scripts parse those; docs/vllm.md
-    says which are measured, which counted and which planned)."""
-    node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""
-    return (
-        f"raylazy: rank {rank} needed {format_bytes(s.bytes_needed)} (its parameters {format_bytes(params)}; the "
-        f"checkpoint holds {format_bytes(ckpt.nbytes)}), read {format_bytes(s.planned_bytes_read)} as planned"
-        f"{node} with {s.backend} in {s.batches} batch(es) ({format_bytes(s.in_place_bytes)} in place), "
-        f"{s.read_seconds:.2f} s reading, {seconds:.2f} s in all, {mode}"
-        f"{' (' + why + ')' if why else ''}; {s.opaque_regions} region(s) ({format_bytes(s.opaque_bytes)}) "
-        f"read at once for ops raylazy cannot follow; {s.unplanned_regions} region(s) taken only on the second run "
-        f"[rank={rank} backend={s.backend} mode={mode} node_processes={s.node_processes} param_bytes={params} "
-        f"bytes_needed={s.bytes_needed} in_place_bytes={s.in_place_bytes} checkpoint_bytes={ckpt.nbytes} "
-        f"planned_bytes_read={s.planned_bytes_read} planned_requests={s.planned_requests} node_bytes={s.node_bytes} "
-        f"received_bytes={s.received_bytes} rchar={'-' if rchar is None else rchar} batches={s.batches} "
-        f"opaque_regions={s.opaque_regions} opaque_bytes={s.opaque_bytes} whole_opaque={s.whole_opaque} "
-        f"unplanned_regions={s.unplanned_regions} unplanned_bytes={s.unplanned_bytes} "
-        f"read_seconds={s.read_seconds:.3f} seconds={seconds:.3f}]"
-    )

@@ -32,7 +32,6 @@ import gc
 import glob
 import json
 import os
-import re
 
 
 def proc_io() -> dict[str, int]:
@@ -50,6 +49,8 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from raylazy.integrations.report import fields
 
     fmt, _, variant = load_format.partition("+")
     cfg = worker.vllm_config
@@ -78,16 +79,9 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
         logging.getLogger("vllm.raylazy").removeHandler(handler)
     digests = {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                for name, p in model.named_parameters()}
-    line = next((m for m in lines if m.startswith("raylazy: rank")), None)
     return {"digests": digests, "numel": sum(p.numel() for p in model.parameters()),
             "rchar": after["rchar"] - before["rchar"], "read_bytes": after["read_bytes"] - before["read_bytes"],
-            "line": numbers(line) if line else None}
-
-
-def numbers(line: str) -> dict:
-    """The key=value numbers (and words) of a raylazy log line's bracket."""
-    fields = dict(re.findall(r"(\w+)=(\S+)", line.rsplit("[", 1)[1].rstrip("]")))
-    return {k: int(v) if v.isdigit() else v for k, v in fields.items()}
+            "line": next(filter(None, map(fields, lines)), None)}
 
 
 def evict(model: str) -> None:

@@ -4,10 +4,13 @@ the others."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from unittest import mock
+
 import torch
 
-from raylazy.integrations.lazy import Region
-from raylazy.integrations.serving import Reads
+from raylazy.core.boxes import Region
+from raylazy.integrations.serving import RegionReader
 from raylazy.integrations.vllm import RaylazyModelLoader
 
 
@@ -22,16 +25,13 @@ def neighbour(region: Region) -> Region:
     return Region(region.file, region.tensor, region.starts[:d] + (start,) + region.starts[d + 1 :], region.sizes)
 
 
-class NeighbourReads(Reads):
-    """Reads each region's neighbour in its place."""
-
-    def shard(self, region, name):
-        return super().shard(neighbour(region), name)
-
-
 class PeerBytesLoader(RaylazyModelLoader):
-    """raylazy's loader with rank 0 fed another rank's bytes."""
+    """raylazy's loader with rank 0 fed another rank's bytes: its reader plans each region's neighbour in its
+    place."""
 
-    def reads(self, ckpt):
+    def load_weights(self, model, model_config) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return (NeighbourReads if rank == 0 else Reads)(ckpt, self.options)
+        shard = RegionReader.shard
+        with mock.patch.object(RegionReader, "shard", lambda reads, region, name: shard(reads, neighbour(region), name)) \
+                if rank == 0 else nullcontext():
+            super().load_weights(model, model_config)

@@ -18,10 +18,11 @@ dict have those). Each entry is `[pattern, style, layout, where]`:
   embeddings), `"first"` or `"last"` (before or after the layers); null inside them.
 
 raylazy maps these onto its placements at plan time (`raylazy.core.declared`) without importing transformers (an
-import of several seconds, and transformers is not a dependency of raylazy). Regenerate after a transformers
-upgrade, then run tests/test_declared.py:
+import of several seconds, and transformers is not a dependency of raylazy). A development tool, not part of the
+package; with `--check` (tests/test_declared.py runs it) it exits 1 where the table differs from what the installed
+transformers declares. Regenerate after a transformers upgrade, then run tests/test_declared.py:
 
-    python -m raylazy.integrations.transformers_plans --write
+    python tools/declared_plans.py --write
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import sys
 import warnings
 
 #: The table raylazy ships (raylazy/core/declared_plans.json).
-TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "core", "declared_plans.json")
+TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "raylazy", "core",
+                          "declared_plans.json")
 #: Sizes tried when a model type's default config cannot be built (a few need them to construct at all).
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              num_hidden_layers=2, vocab_size=256, rope_theta=10000.0, moe_intermediate_size=32)
@@ -179,15 +181,43 @@ def write_table(table: dict, path: str = TABLE_PATH) -> None:
         f.write("\n".join(lines))
 
 
+def check(installed: dict, shipped: dict) -> list[str]:
+    """What differs between the plans the installed transformers declares and the shipped table, for the model
+    types both know, and the model types the table lacks (empty: they agree)."""
+    both = installed["plans"].keys() & shipped["plans"].keys()
+    problems = [f"only {len(both)} model types in both (expected at least 100)"] if len(both) < 100 else []
+    differ = sorted(t for t in both if installed["plans"][t] != shipped["plans"][t])
+    if differ:
+        problems.append(f"transformers {installed['transformers']} declares other plans than the table (from "
+                        f"{shipped['transformers']}) for {differ}")
+    if lacking := sorted(installed["plans"].keys() - shipped["plans"].keys()):
+        problems.append(f"model types the table lacks: {lacking}")
+    if installed["transformers"] != shipped["transformers"]:
+        problems.append(f"the table is from transformers {shipped['transformers']}, installed is "
+                        f"{installed['transformers']}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help=f"write the table to {TABLE_PATH}")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--write", action="store_true", help=f"write the table to {TABLE_PATH}")
+    what.add_argument("--check", action="store_true", help="exit 1 where the table differs from the installed "
+                      "transformers")
     args = ap.parse_args(argv)
     table = declared_plans()
+    if args.check:
+        with open(TABLE_PATH, encoding="utf-8") as f:
+            problems = check(table, json.load(f))
+        for problem in problems:
+            print(f"{problem}: run `python tools/declared_plans.py --write`, then tests/test_declared.py",
+                  file=sys.stderr)
+        if problems:
+            return 1
     if args.write:
         write_table(table)
     print(f"transformers {table['transformers']}: {len(table['plans'])} model types, "
-          f"{len(table['left_out'])} left out", file=sys.stderr)
+          f"{len(table['left_out'])} left out{'; the table agrees' if args.check else ''}", file=sys.stderr)
     for model_type, why in table["left_out"].items():
         print(f"  left out {model_type}: {why}", file=sys.stderr)
     return 0

@@ -1,0 +1,79 @@
+"""What serving a run of lazy weights took (`LazyStats`), and the vLLM worker's log line of it: `summary` writes
+it, `fields` reads its numbers back (what the tests and benchmarks read it with; the numbers: docs/vllm.md)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..core.plans import format_bytes
+from ..io.stats import ReadStats
+
+#: How every worker's line begins.
+PREFIX = "raylazy: rank "
+_FIELD, _DECIMAL = re.compile(r"(\w+)=(\S+)"), re.compile(r"\d+\.\d+")
+
+
+@dataclass
+class LazyStats:
+    """What serving a run took. Counted: `regions`, `bytes_needed` (the distinct regions wanted, their bytes),
+    `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
+    follow took, read at once as far as narrowed; `whole_opaque`: whole tensors), `unplanned_*` (regions only a
+    second run took). Planned (the readers' plan or node schedule, not measured): `planned_bytes_read`,
+    `planned_requests`, `node_bytes` (the node's union, once). Measured: `received_bytes` (from the node's other
+    processes), `read_seconds`."""
+
+    backend: str = "ranged"
+    node_processes: int = 1
+    regions: int = 0
+    bytes_needed: int = 0
+    in_place_bytes: int = 0
+    planned_bytes_read: int = 0
+    planned_requests: int = 0
+    node_bytes: int = 0
+    received_bytes: int = 0
+    batches: int = 0
+    read_seconds: float = 0.0
+    opaque_regions: int = 0
+    opaque_bytes: int = 0
+    whole_opaque: int = 0
+    unplanned_regions: int = 0
+    unplanned_bytes: int = 0
+
+    def add_read(self, stats: ReadStats) -> None:
+        self.planned_bytes_read += stats.bytes_read
+        self.planned_requests += stats.requests
+        self.received_bytes += stats.bytes_received
+        self.read_seconds += stats.seconds
+
+
+def summary(rank: int, s: LazyStats, checkpoint_bytes: int, params: int, mode: str, why: str, rchar: int | None,
+            seconds: float) -> str:
+    """A worker's log line: words, then the numbers as key=value in brackets (`fields` reads them)."""
+    node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""
+    numbers = {"rank": rank, "backend": s.backend, "mode": mode, "node_processes": s.node_processes,
+               "param_bytes": params, "bytes_needed": s.bytes_needed, "in_place_bytes": s.in_place_bytes,
+               "checkpoint_bytes": checkpoint_bytes, "planned_bytes_read": s.planned_bytes_read,
+               "planned_requests": s.planned_requests, "node_bytes": s.node_bytes, "received_bytes": s.received_bytes,
+               "rchar": "-" if rchar is None else rchar, "batches": s.batches,
+               "opaque_regions": s.opaque_regions, "opaque_bytes": s.opaque_bytes, "whole_opaque": s.whole_opaque,
+               "unplanned_regions": s.unplanned_regions, "unplanned_bytes": s.unplanned_bytes,
+               "read_seconds": f"{s.read_seconds:.3f}", "seconds": f"{seconds:.3f}"}
+    return (
+        f"{PREFIX}{rank} needed {format_bytes(s.bytes_needed)} (its parameters {format_bytes(params)}; the "
+        f"checkpoint holds {format_bytes(checkpoint_bytes)}), read {format_bytes(s.planned_bytes_read)} as planned"
+        f"{node} with {s.backend} in {s.batches} batch(es) ({format_bytes(s.in_place_bytes)} in place), "
+        f"{s.read_seconds:.2f} s reading, {seconds:.2f} s in all, {mode}{f' ({why})' if why else ''}; "
+        f"{s.opaque_regions} region(s) ({format_bytes(s.opaque_bytes)}) read at once for ops raylazy cannot "
+        f"follow; {s.unplanned_regions} region(s) taken only on the second run "
+        f"[{' '.join(f'{k}={v}' for k, v in numbers.items())}]")
+
+
+def fields(line: str) -> dict | None:
+    """The numbers of a worker's log line (`summary`), found anywhere in `line` (a log prefix before it is
+    fine): ints, seconds as floats, words as they are, `rchar` None where not measured. None for another line."""
+    at = line.find(PREFIX)
+    if at < 0 or "[" not in line[at:]:
+        return None
+    return {k: int(v) if v.isdigit() else float(v) if _DECIMAL.fullmatch(v) else None if v == "-" else v
+            for k, v in _FIELD.findall(line[at:].rsplit("[", 1)[1].rstrip("]"))}
