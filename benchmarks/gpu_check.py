@@ -31,7 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOADERS = ("raw", "ranged", "fastsafetensors", "exchange")
-GPU_TESTS = ("tests/test_exchange.py", "tests/test_load.py")
+GPU_TESTS = ("tests/io/test_exchange.py", "tests/cluster/test_load.py")
 
 
 def gpus_or_exit() -> int:

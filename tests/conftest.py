@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # so test modules can `import checkpoints`
-
-from checkpoints import MODEL_FIXTURES, build_checkpoint, shard_files  # noqa: E402
+from tests.support.checkpoints import MODEL_FIXTURES, build_checkpoint, shard_files
 
 
 def _build(tmp_path_factory, kind: str) -> str:
@@ -56,7 +53,7 @@ def model_dir(request) -> str:
     return request.getfixturevalue(request.param)
 
 
-# --- shared local Ray (added for tests/test_load.py) ------------------------------------------------
+# --- shared local Ray (added for tests/cluster/test_load.py) ------------------------------------------------
 
 #: How `ray_local` starts Ray: a new local instance (address="local": never join a cluster another
 #: process left running on this machine), 8 logical CPUs so tp=4 (one CPU per rank) fits on 2 cores.
@@ -94,7 +91,8 @@ def two_node_cluster(llama_dir):
     import logging
 
     import ray
-    from raytest import start_cluster, stop_cluster
+
+    from tests.support.raytest import start_cluster, stop_cluster
 
     if ray.is_initialized():  # the session's ray_local: these tests need a cluster of their own
         ray.shutdown()

@@ -7,7 +7,6 @@ import os
 import pickle
 
 import pytest
-from headers import build, entry, write
 
 from raylazy import errors
 from raylazy.errors import (
@@ -17,6 +16,8 @@ from raylazy.errors import (
     TensorSizeError,
 )
 from raylazy.storage import read_header
+from tests.support import REPO
+from tests.support.headers import build, entry, write
 
 
 def _all_error_classes():
@@ -72,7 +73,7 @@ def test_every_error_sits_in_one_family(cls):
 
 def test_every_error_is_on_the_errors_page():
     """docs/errors.md: its table's "catch" column is exactly the families, and the page names every error."""
-    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")).read()
+    page = open(os.path.join(REPO, "docs", "errors.md")).read()
     table = page[: page.index("\n## ")]  # the families' table and what follows it, before the kinds of HeaderError
     caught = {row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| `")}
     assert caught == {f"`{f.__name__}`" for f in FAMILIES}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from checkpoints import reference_tensors
+from tests.support.checkpoints import reference_tensors
 
 SCRIPT = """
 import sys

@@ -11,8 +11,6 @@ import os
 import shutil
 
 import pytest
-from checkpoints import reference_tensors
-from planlib import apply_reads, as_bytes, read_files
 
 from raylazy import cli
 from raylazy.cluster.loader import LoadedModel
@@ -20,6 +18,9 @@ from raylazy.core.placements import Fused, Heads, Replicated, Skip, Split
 from raylazy.core.plans import Plan
 from raylazy.core.rules import Rule, read_rules
 from raylazy.errors import RuleError, RuleFileError
+from tests.support import REPO
+from tests.support.checkpoints import reference_tensors
+from tests.support.planlib import apply_reads, as_bytes, read_files
 
 TP = 2
 
@@ -176,7 +177,7 @@ def test_missing_rules_file(tmp_path):
 
 
 def test_the_rules_page_example_is_a_valid_rules_file(tmp_path):
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "rules.md")) as f:
+    with open(os.path.join(str(REPO), "docs", "rules.md")) as f:
         page = f.read()
     example = page.split("```json\n", 1)[1].split("```", 1)[0]
     (tmp_path / "rules.json").write_text(example)

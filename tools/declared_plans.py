@@ -19,8 +19,8 @@ dict have those). Each entry is `[pattern, style, layout, where]`:
 
 raylazy maps these onto its placements at plan time (`raylazy.core.declared`) without importing transformers (an
 import of several seconds, and transformers is not a dependency of raylazy). A development tool, not part of the
-package; with `--check` (tests/test_declared.py runs it) it exits 1 where the table differs from what the installed
-transformers declares. Regenerate after a transformers upgrade, then run tests/test_declared.py:
+package; with `--check` (tests/core/test_declared.py runs it) it exits 1 where the table differs from what the installed
+transformers declares. Regenerate after a transformers upgrade, then run tests/core/test_declared.py:
 
     python tools/declared_plans.py --write
 """
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(TABLE_PATH, encoding="utf-8") as f:
             problems = check(table, json.load(f))
         for problem in problems:
-            print(f"{problem}: run `python tools/declared_plans.py --write`, then tests/test_declared.py",
+            print(f"{problem}: run `python tools/declared_plans.py --write`, then tests/core/test_declared.py",
                   file=sys.stderr)
         if problems:
             return 1

@@ -1,0 +1,357 @@
+"""Lazy weights (raylazy.integrations.lazy, .serving): a consumer's narrows, selects, transposes and copies say which
+bytes are read; its copies, replayed, or a second run of it, leave exactly what it would leave with safetensors'
+`get_tensor(...)` (the reference: each test writes the expected cut of the full tensor), reading nothing else."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from raylazy.errors import ConfigurationError, FileChangedError
+from raylazy.integrations.lazy import lazy_weights
+from raylazy.integrations.options import LazyOptions, lazy_options
+from raylazy.integrations.recording import Recording, in_place, wanted
+from raylazy.integrations.report import LazyStats, fields, summary
+from raylazy.integrations.serving import RegionReader, Serving
+from raylazy.storage import open_checkpoint, verified
+from tests.support.checkpoints import build_checkpoint, reference_tensors
+
+COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+ROW = ("o_proj.weight", "down_proj.weight")
+
+
+def tp_consumer(rank: int, tp: int):
+    """A consumer cutting rank `rank`'s slices as tensor-parallel weight loaders do (narrow, slicing, chunk,
+    torch.narrow, a box narrowed along two dims), copying each into a tensor of its own (made on the first run);
+    returns (the consumer, its tensors, the expected cut of each full tensor)."""
+    params, cuts = {}, {}
+
+    def consume(weights):
+        for name, w in weights:
+            if name.endswith(COLUMN):
+                n = w.shape[0] // tp
+                part, cut = w.narrow(0, rank * n, n), (lambda t, n=n: t.narrow(0, rank * n, n))
+            elif name.endswith(ROW):
+                n = w.size(1) // tp
+                part, cut = w[:, rank * n : (rank + 1) * n], (lambda t, n=n: t[:, rank * n : (rank + 1) * n])
+            elif name.endswith("embed_tokens.weight"):  # a box: rows of this rank, then half the columns
+                n = len(w) // tp
+                part = torch.narrow(w, 0, rank * n, n).narrow(1, 0, w.shape[1] // 2)
+                cut = lambda t, n=n: t.narrow(0, rank * n, n).narrow(1, 0, t.shape[1] // 2)  # noqa: E731
+            elif name == "lm_head.weight":  # vocab chunks
+                part, cut = w.chunk(tp, dim=0)[rank], (lambda t: t.chunk(tp, dim=0)[rank])
+            else:
+                part, cut = w, (lambda t: t)
+            if name not in params:
+                params[name] = torch.empty(part.shape, dtype=part.dtype)
+            params[name].copy_(part)
+            cuts[name] = cut
+
+    return consume, params, cuts
+
+
+def moe_consumer(rank: int, tp: int, params: dict):
+    """What vLLM's fused-MoE loader does to an expert (FusedMoE.load_weights and _load_w13/_load_w2): a 2-d
+    expert unsqueezed and unbound, a 3-d fused tensor transposed, chunked into w1/w3 and unbound; each expert
+    narrowed to the rank's part along its shard dim and copied into a narrowed slice of the fused parameter; a
+    scalar of each stored into a scale tensor by index."""
+
+    def load(param, expert, e: int, shard: str):
+        dim = 1 if shard == "w2" else 0
+        n = expert.shape[dim] // tp
+        dst = param.data[e]
+        if shard != "w2":
+            dst = dst.narrow(0, 0 if shard == "w1" else dst.shape[0] // 2, dst.shape[0] // 2)
+        dst.copy_(expert.narrow(dim, rank * n, n))
+        # a per-tensor scale, as _load_per_tensor_weight_scale stores one: here the expert's first element
+        params["scales"][e][("w1", "w3", "w2").index(shard)] = expert[0, 0:1].reshape(())
+
+    def consume(weights):
+        for name, w in weights:
+            if ".experts." not in name:
+                continue
+            layer = name.split(".experts.")[0]
+            if w.dim() == 3:  # fused: [E, 2I, H] gate_up or [E, H, I] down, as transformers 5 holds them
+                if name.endswith("gate_up_proj"):
+                    for i, shard in enumerate(("w1", "w3")):
+                        for e, ex in enumerate(w.transpose(-1, -2).transpose(-1, -2).chunk(2, dim=1)[i].unbind()):
+                            load(params[layer + ".w13"], ex, e, shard)
+                else:
+                    for e, ex in enumerate(w.unbind(0)):
+                        load(params[layer + ".w2"], ex, e, "w2")
+            else:  # experts.<e>.w1/w2/w3 (Mixtral)
+                e, proj = int(name.split(".experts.")[1].split(".")[0]), name.split(".")[-2]
+                param = params[layer + (".w2" if proj == "w2" else ".w13")]
+                for ex in w.unsqueeze(0).unbind():
+                    load(param, ex, e, proj)
+
+    return consume
+
+
+def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict):
+    """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
+    consumer's own tensors (a dict), which copies may be replayed into."""
+    ckpt = open_checkpoint(model_dir, options.reader.storage_options)
+    with RegionReader(ckpt, options) as reads:
+        rec = Recording(reads.read_alone)
+        with rec.watching():
+            consume(lazy_weights(ckpt, rec))
+        rec.check_targets(list(watch().values()))
+        replay = replay and rec.replayable
+        out = in_place(rec.copies, torch.device("cpu")) if replay else {}
+        with Serving(reads, wanted(rec.copies, None if replay else rec.opaque), out) as serving:
+            if replay:
+                serving.replay(rec.copies)
+            else:
+                consume(lazy_weights(ckpt, serving))
+    return rec, reads.stats
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(batch_bytes=4096, batches_ahead=0, threads=1),  # one batch per region or so, none read ahead
+    dict(backend="fastsafetensors"),
+])
+@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_regions_read_match_safetensors(llama_dir, rank, replay, options):
+    consume, params, cuts = tp_consumer(rank, 2)
+    rec, stats = _run(llama_dir, consume, lazy_options(options), replay, watch=lambda: params)
+    ref = reference_tensors(llama_dir)
+    assert rec.replayable and params.keys() == ref.keys()
+    for name, t in ref.items():
+        assert torch.equal(params[name], cuts[name](t)), name
+    needed = sum(p.numel() * p.element_size() for p in params.values())
+    assert stats.bytes_needed == needed < sum(t.numel() * t.element_size() for t in ref.values())
+    assert stats.unplanned_regions == 0 and not rec.opaque
+    if replay and options.get("backend") != "fastsafetensors":  # every destination holds its box's bytes in
+        assert stats.in_place_bytes == needed and stats.batches == 1  # order: read in place, nothing held
+    elif options.get("batch_bytes") == 4096:
+        assert stats.batches > 10
+
+
+def test_strided_regions_in_object_storage_are_fetched_as_the_cost_model_says(s3, llama_dir):
+    """Counted by the proxy in front of SeaweedFS: rank 0's cut of a tp=2 checkpoint, its row-parallel weights
+    (o_proj, down_proj: half of every row) strided. With max_gap=0 each row is a request of its own (exactly its
+    bytes); by default (None) the storage's cost model decides, and for rows this small (a request costs far more
+    than the gap's bytes) fetches each strided region as one range with its gaps. The weights equal
+    safetensors' either way."""
+    uri = s3.upload_dir(llama_dir, "lazy", "llama")
+    ref = reference_tensors(llama_dir)
+    rows = sum(t.shape[0] for name, t in ref.items() if name.endswith(ROW))
+    gets = {}
+    for max_gap in (0, None):
+        consume, params, cuts = tp_consumer(0, 2)
+        s3.reset()
+        _run(uri, consume, lazy_options(dict(max_gap=max_gap, storage_options=s3.storage_options)),
+             watch=lambda params=params: params)
+        gets[max_gap] = len(s3.reset().gets("lazy/llama/"))
+        assert all(torch.equal(params[name], cuts[name](t)) for name, t in ref.items())
+    assert gets[None] < rows <= gets[0], (gets, rows)
+
+
+@pytest.mark.parametrize("kind, in_memory, hidden, inter", [("mixtral", False, 64, 64), ("vllm-qwen3moe", True, 128, 64)])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_experts_are_read_as_slices(tmp_path, kind, in_memory, hidden, inter, rank):
+    """Mixtral's experts one by one, Qwen3-MoE's fused on disk: each lands in its slice of the fused w13/w2
+    parameters as the expert's tp part (tests/support/checkpoints.py: 4 experts, `hidden` and `inter` their sizes), and
+    only those parts are read."""
+    model = build_checkpoint(kind, tmp_path / kind, in_memory=in_memory)
+    ref = reference_tensors(model)
+    layers = sorted({n.split(".experts.")[0] for n in ref if ".experts." in n})
+    half = inter // 2
+    params = {f"{layer}.w13": torch.zeros(4, inter, hidden, dtype=torch.bfloat16) for layer in layers} | \
+             {f"{layer}.w2": torch.zeros(4, hidden, half, dtype=torch.bfloat16) for layer in layers} | \
+             {"scales": torch.zeros(4, 3, dtype=torch.float32)}
+    rec, stats = _run(model, moe_consumer(rank, 2, params), watch=lambda: params)
+    assert rec.replayable and not rec.opaque
+    mine = slice(rank * half, (rank + 1) * half)
+    for layer in layers:
+        for e in range(4):
+            if in_memory:
+                w1, w3 = ref[f"{layer}.experts.gate_up_proj"][e].chunk(2, dim=0)
+                down = ref[f"{layer}.experts.down_proj"][e]
+            else:
+                w1, w3, down = (ref[f"{layer}.experts.{e}.{p}.weight"] for p in ("w1", "w3", "w2"))
+            assert torch.equal(params[f"{layer}.w13"][e][:half], w1[mine])
+            assert torch.equal(params[f"{layer}.w13"][e][half:], w3[mine])
+            assert torch.equal(params[f"{layer}.w2"][e], down[:, mine])
+    assert torch.equal(params["scales"][e], torch.stack([w[0, 0] for w in (w1, w3, down)]).float())  # the last layer's
+    weights = sum(p.numel() * 2 for name, p in params.items() if name != "scales")
+    assert stats.bytes_needed == stats.planned_bytes_read == weights + len(layers) * 4 * 3 * 2
+
+
+def test_ops_it_cannot_follow_are_read_at_once_and_counted(llama_dir):
+    """`.float()` after a narrow follows; `.item()` and arithmetic read the weight as narrowed, at once, and give
+    its real bytes to the op; a region only a second run takes is read on its own and counted."""
+    runs = []
+
+    def consume(weights):
+        runs.append({})
+        for name, w in weights:
+            if name.endswith("q_proj.weight"):
+                runs[-1][name] = w.t().narrow(0, 0, 4).float() * 2  # followed, then arithmetic: read as narrowed
+            elif name.endswith("input_layernorm.weight"):
+                runs[-1][name] = torch.tensor([w[0:1].item()]) * 1 + w * 0
+            elif name.endswith("v_proj.weight") and len(runs) == 2:  # only the second run takes it
+                runs[-1][name] = w.narrow(0, 2, 3).float() + 0
+    rec, stats = _run(llama_dir, consume, replay=False)
+    ref = reference_tensors(llama_dir)
+    q = [n for n in ref if n.endswith("q_proj.weight")]
+    norm = [n for n in ref if n.endswith("input_layernorm.weight")]
+    v = [n for n in ref if n.endswith("v_proj.weight")]
+    for run in runs:  # the first run got real bytes too
+        for n in q:
+            assert torch.equal(run[n], ref[n].t().narrow(0, 0, 4).float() * 2)
+        for n in norm:
+            assert torch.equal(run[n], ref[n][0:1] * 1 + ref[n] * 0)
+    for n in v:
+        assert torch.equal(runs[1][n], ref[n].narrow(0, 2, 3).float())
+    q_box = next(r for r in rec.opaque if r.tensor.name == q[0])
+    assert q_box.sizes == (ref[q[0]].shape[0], 4)  # the columns .t().narrow(0, 0, 4) took: no more
+    assert len(rec.opaque) == len(q) + 2 * len(norm)  # q as narrowed; each norm: its first element, and whole
+    assert stats.unplanned_regions == len(v) and stats.unplanned_bytes == sum(3 * ref[n].shape[1] * 2 for n in v)
+
+
+@pytest.mark.parametrize("use, replayable", [("scale", False), ("read", False), ("beside", True)])
+def test_a_consumer_that_uses_what_it_copied_is_run_again(llama_dir, use, replayable):
+    """A copy's destination scaled in place afterwards, or read into another tensor: replaying the copies alone
+    would lose that, so the recording says why it cannot be replayed, and the second run gives the consumer's
+    own result. Writing beside a copy's destination (vLLM zeroes its vocabulary padding) still replays."""
+    made = {}
+
+    def consume(weights):
+        for name, w in weights:
+            if name.endswith("embed_tokens.weight"):
+                n = w.shape[0]
+                p = made.setdefault(name, torch.empty(n + 8, w.shape[1], dtype=w.dtype))
+                p[:n].copy_(w)
+                if use == "scale":
+                    p[:n].mul_(2)
+                elif use == "read":
+                    made["copy"] = p[:n].clone()
+                p[n:].fill_(0)
+    rec, _ = _run(llama_dir, consume, watch=lambda: made)
+    assert rec.replayable is replayable, rec.why_not_replayable
+    full = reference_tensors(llama_dir)["model.embed_tokens.weight"]
+    got = made["model.embed_tokens.weight"]
+    assert torch.equal(got[: len(full)], full * (2 if use == "scale" else 1)) and not got[len(full):].any()
+    if use == "read":
+        assert torch.equal(made["copy"], full)
+
+
+def test_a_copy_into_a_tensor_not_watched_is_run_again(llama_dir):
+    """A copy into a temporary (not one of the tensors the caller holds) cannot be replayed."""
+    consume, params, cuts = tp_consumer(0, 2)
+    rec, _ = _run(llama_dir, consume, watch=lambda: dict(list(params.items())[1:]))
+    assert not rec.replayable and "not one of the model's" in rec.why_not_replayable
+    ref = reference_tensors(llama_dir)
+    assert all(torch.equal(params[n], cuts[n](t)) for n, t in ref.items())
+
+
+def test_each_file_is_checked_once_per_load(llama_dir, monkeypatch):
+    """However many batches, a file is opened and its header checked once (the readers share the load's sources)."""
+    opened = []
+    real = verified.open_verified
+    monkeypatch.setattr(verified, "open_verified", lambda ref, *a: opened.append(ref.uri) or real(ref, *a))
+    consume, params, _ = tp_consumer(0, 2)
+    _, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096)), replay=False, watch=lambda: params)
+    assert stats.batches > 10
+    assert sorted(opened) == sorted(set(opened)) and len(opened) == len(open_checkpoint(llama_dir).files)
+
+
+def test_a_read_failure_reaches_the_take(llama_dir, tmp_path):
+    """A file changed between the recording and the reading: the take that waits for it raises the reader's error."""
+    model = shutil.copytree(llama_dir, tmp_path / "m")
+    ckpt = open_checkpoint(model)
+    consume, params, _ = tp_consumer(0, 2)
+    with RegionReader(ckpt, LazyOptions()) as reads:
+        rec = Recording(reads.read_alone)
+        consume(lazy_weights(ckpt, rec))
+        (tmp_path / "m" / ckpt.files[0].path.rsplit("/", 1)[1]).write_bytes(b"\0" * 16)
+        with pytest.raises(FileChangedError, match="plan again"):
+            with Serving(reads, wanted(rec.copies)) as serving:
+                serving.replay(rec.copies)
+
+
+def test_shapes_and_errors_match_torch(llama_dir):
+    ckpt = open_checkpoint(llama_dir)
+    name, w = next(iter(lazy_weights(ckpt, Recording(lambda r: None))))
+    t = torch.empty(tuple(w.shape))
+    for bad in (lambda x: x.narrow(0, 0, x.shape[0] + 1), lambda x: x.narrow(5, 0, 1), lambda x: x.select(0, 10 ** 6),
+                lambda x: x.unsqueeze(5)):
+        with pytest.raises((IndexError, RuntimeError)):
+            bad(t)
+        with pytest.raises((IndexError, RuntimeError)):
+            bad(w)
+    for op in (lambda x: x[..., 1:3], lambda x: x[-2:], lambda x: x[3], lambda x: x[None, 1:2], lambda x: x.t(),
+               lambda x: x.unsqueeze(0).unbind()[0], lambda x: x.unsqueeze(-1).squeeze(-1).transpose(0, 1)[2:5],
+               lambda x: x.reshape(1, *x.shape, 1), lambda x: x[1:2].reshape(-1, x.shape[1]).squeeze(),
+               lambda x: x.T.contiguous().permute(1, 0)):
+        assert op(w).shape == op(t).shape
+    assert [p.shape for p in w.split([1, w.shape[0] - 1])] == [p.shape for p in t.split([1, t.shape[0] - 1])]
+    assert w.dtype == torch.bfloat16 and w.to(torch.float32).dtype == torch.float32 and w.float().ndim == t.ndim
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(threads=0), "threads=0"),
+    (dict(batch_bytes="1G"), "batch_bytes='1G'"),
+    (dict(bogus=1), "bogus=1"),
+    (dict(backend="nvme"), "backend='nvme'"),
+    (dict(replay=1), "replay=1"),
+])
+def test_bad_options_are_named(options, named):
+    with pytest.raises(ConfigurationError, match=named.replace("[", r"\[")):
+        lazy_options(options)
+
+
+def test_consumer_attributes_read_nothing(llama_dir):
+    """vLLM tags weights (`w.shard_id = ...`, on `w.detach()` aliases) and probes attributes with getattr: none
+    of that reads or notes anything."""
+    reads = []
+    recording = Recording(lambda r: reads.append(r) or torch.zeros(r.sizes, dtype=torch.bfloat16))
+    name, w = next(iter(lazy_weights(open_checkpoint(llama_dir), recording)))
+    alias = w.detach()
+    w.shard_id, alias.shard_id = "q", "k"
+    assert (w.shard_id, alias.shard_id, getattr(w.narrow(0, 0, 1), "shard_id", None)) == ("q", "k", None)
+    assert getattr(w, "weight_loader", None) is None and alias.shape == w.shape and w.is_floating_point()
+    assert reads == [] and recording.copies == []
+    assert w.abs().shape == w.shape and len(reads) == 1  # a tensor method reads the region
+
+
+def test_view_is_torch_view(llama_dir):
+    """`weight.view(shape)` is the tensor method, as vLLM's Falcon loader calls it (`loaded_weight.view(kv_heads,
+    -1, head_dim, hidden)`): a view that only adds dims of size 1 reads nothing; one that regroups the dims reads
+    the weight's region there and then (as narrowed, once) and gives the values torch's own view of the tensor
+    gives; a dtype view reinterprets the bytes as torch does."""
+    ckpt = open_checkpoint(llama_dir)
+    ref = reference_tensors(llama_dir)
+    with RegionReader(ckpt, LazyOptions()) as reads:
+        rec = Recording(reads.read_alone)
+        name, w = next((n, w) for n, w in lazy_weights(ckpt, rec) if n.endswith("q_proj.weight"))
+        t = ref[name]
+        assert w.view(1, *w.shape).shape == (1, *t.shape) and not rec.opaque  # followed: nothing read
+        rows = w.narrow(0, 0, 4)
+        got = rows.view(2, -1, t.shape[1])
+        assert torch.equal(got, t.narrow(0, 0, 4).view(2, -1, t.shape[1]))
+        assert [(r.starts, r.sizes) for r in rec.opaque] == [((0, 0), (4, t.shape[1]))]
+        assert torch.equal(w.view(torch.int16), t.view(torch.int16))
+
+
+def test_log_line_numbers_read_back():
+    """The worker's log line (what the vLLM tests and benchmarks read): every number `summary` writes, `fields`
+    reads back as written, behind the log prefix vLLM puts before it; a line of another kind is None."""
+    stats = LazyStats(backend="cooperative", node_processes=2, bytes_needed=625920, in_place_bytes=4096,
+                      planned_bytes_read=629216, planned_requests=7, batches=3, read_seconds=0.25, opaque_regions=1,
+                      opaque_bytes=128, unplanned_regions=2, unplanned_bytes=64)
+    line = summary(1, stats, 1251840, 1251840, "rerun", "a copy was read", None, 1.5)
+    got = fields(f"(EngineCore pid=7) INFO 01-02 03:04:05 [vllm.py:115] {line}")
+    assert got == {"rank": 1, "backend": "cooperative", "mode": "rerun", "node_processes": 2, "param_bytes": 1251840,
+                   "bytes_needed": 625920, "in_place_bytes": 4096, "checkpoint_bytes": 1251840,
+                   "planned_bytes_read": 629216, "planned_requests": 7, "node_bytes": 0, "received_bytes": 0,
+                   "rchar": None, "batches": 3, "opaque_regions": 1, "opaque_bytes": 128, "whole_opaque": 0,
+                   "unplanned_regions": 2, "unplanned_bytes": 64, "read_seconds": 0.25, "seconds": 1.5}
+    assert "rerun (a copy was read)" in line and fields(summary(0, stats, 1, 1, "replay", "", 12, 0.0))["rchar"] == 12
+    assert fields("INFO Loading weights took 0.42 seconds [default_loader.py:1]") is None

@@ -1,0 +1,272 @@
+"""Cooperative reads (raylazy.io.cooperative): a node's ranks, as separate processes, read each stripe once and
+every rank gets its shards bit for bit as safetensors' get_tensor + the slice vLLM gives it; through raylazy.load
+on one node and on two; changed files, dead readers and caller buffers.
+
+What a node reads is measured in its ranks' processes (tests/support/measured.py): the file ranges their read and populate
+system calls covered, and their read_bytes from a cold page cache. Simulated nodes share this machine's page
+cache, so the tests that tell two nodes apart run each node alone, from a cold cache."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import raylazy
+from raylazy.core.options import ReaderOptions
+from raylazy.core.schedule import with_node_schedules
+from raylazy.errors import FileChangedError, RankFailedError, ReadError
+from raylazy.io.backends import node_read
+from raylazy.io.cooperative import read_rank_cooperative, shm_dir
+from raylazy.planning import make_plan
+from tests.support.measured import (
+    PAGE,
+    SyscallLog,
+    assert_header_checks_only,
+    cold,
+    header_bytes,
+    io_delta,
+    needed_pages,
+    pages,
+    proc_io,
+)
+from tests.support.planlib import as_bytes
+from tests.support.raytest import check_loaded, check_ranks
+
+_FORK = multiprocessing.get_context("fork")  # the ranks of a node: plain processes, no Ray
+
+
+def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
+    if die:  # a reader whose process dies before reading anything
+        os._exit(3)
+    try:
+        out = {}
+        if use_out:
+            from raylazy.io.buffers import shard_layout
+
+            out = {t.name: torch.empty(shard_layout(t)[1], dtype=shard_layout(t)[0]) for t in rp.tensors}
+        log = SyscallLog().install()
+        before = proc_io()
+        shards, stats = read_rank_cooperative(rp, "cpu", node_read=task, options=options, out=out or None)
+        seen = {"io": io_delta(before, proc_io()), "preadv": log.preadv, "pread": log.pread, "populated": log.populated}
+        same = all(shards[n] is out[n] for n in out)
+        sent = {n: (t.dtype, tuple(t.shape), as_bytes(t)) for n, t in shards.items()}  # plain bytes: no fd passing
+        queue.put((rp.rank, (sent, stats, same, seen)))
+    except BaseException as e:  # noqa: BLE001  (sent to the test)
+        queue.put((rp.rank, e))
+
+
+#: Stripe readers (`ReaderOptions.stripe_readers`), for the tests of the ready map and its readers.
+READERS = ReaderOptions(stripe_readers=4, stripe_timeout_s=60)
+
+
+def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120, ranks=None) -> dict:
+    """Run every rank of every scheduled node of `plan` (or only `ranks`) as its own process, all at once;
+    rank -> (shards, stats, same, seen: what its process was measured reading) or error."""
+    queue, load_id = _FORK.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
+    procs = [_FORK.Process(target=_rank, args=(rp, node_read("cooperative", plan, plan.node_of(rp.rank), load_id), options, queue,
+                                                 rp.rank in die, use_out))
+             for rp in plan.ranks if ranks is None or rp.rank in ranks]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs) - len(die):
+        results.update([queue.get(timeout=max(1, deadline - time.monotonic()))])
+    for p in procs:
+        p.join(10)
+    for r, v in results.items():
+        if not isinstance(v, BaseException):
+            shards = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dt).reshape(shape) if b else
+                      torch.empty(shape, dtype=dt) for n, (dt, shape, b) in v[0].items()}
+            results[r] = (shards, *v[1:])
+    left = [n for n in os.listdir(shm_dir()) if n.startswith(f"raylazy-{load_id}")]
+    # the node's ranks remove its ready map; a rank that died never counts itself done: that is what a crash leaves
+    assert bool(left) == bool(die), left
+    for n in left:
+        os.unlink(os.path.join(shm_dir(), n))
+    return results
+
+
+def run_each_node_cold(plan, options) -> dict:
+    """`run_nodes` for one node of `plan` at a time, each from a cold page cache, checking what each node read
+    (`check_node_reads`)."""
+    results = {}
+    files = [f.uri for f in plan.files]
+    for node in plan.nodes:
+        warm = cold(files)
+        if warm:
+            warnings.warn(f"{warm}: the nodes' reads from storage are not measured", stacklevel=2)
+        results.update(_ok(run_nodes(plan, options, ranks=node.ranks)))
+        check_node_reads(plan, node, results, options.stripe_readers, warm is None)
+    return results
+
+
+def check_node_reads(plan, node, results: dict, readers: int, was_cold: bool) -> None:
+    """What `node`'s rank processes read, measured. Stripe readers: their populate calls (or, before Linux 5.14, their
+    positional reads) cover every page of the node's union once and nothing else, one call per stripe, and the ranks'
+    statistics say as much. Without stripe readers no rank reads data through system calls (only the header
+    checks): the kernel reads on the ranks' page faults, and the page cache makes that once per page. From a
+    cold cache the ranks made storage deliver every page of the union, and at most the files' pages (the
+    kernel's read-around reads beyond the union; for these tiny files, all of them)."""
+    seen = [results[r][3] for r in node.ranks]
+    stats = [results[r][1] for r in node.ranks]
+    union = needed_pages(plan, node.ranks)
+    calls = [c for s in seen for c in s["populated"] + s["preadv"]]
+    assert_header_checks_only([c for s in seen for c in s["pread"]], plan)
+    if readers:
+        assert Counter(pages(calls)) == Counter(union), f"node {node.node}: its readers' calls are not its union once"
+        assert len(calls) == len(node.stripes) == sum(s.requests for s in stats)
+        assert sum(end - start for _, start, end in calls) == sum(s.bytes_read for s in stats)
+    else:  # no stripe readers: the statistics' share of the union is bookkeeping, not a read
+        assert not calls and sum(s.requests for s in stats) == 0, f"node {node.node}: data read by system calls"
+    if was_cold:
+        pulled = sum(s["io"]["read_bytes"] for s in seen)
+        files = {plan.files[st.file].uri for st in node.stripes}
+        assert len(union) * PAGE * 0.98 <= pulled <= sum(-(-os.path.getsize(f) // PAGE) * PAGE for f in files), (
+            f"node {node.node} pulled {pulled} bytes from storage for a union of {len(union)} pages")
+
+
+def _ok(results: dict) -> dict:
+    bad = {r: v for r, v in results.items() if isinstance(v, BaseException)}
+    assert not bad, bad
+    return results
+
+
+@pytest.mark.parametrize("readers", (0, 4))
+@pytest.mark.parametrize("tp", (2, 4, 8))
+def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_dir, tp, readers):
+    """Bit for bit on one node and on two; each node, run alone from a cold cache, reads its union once
+    (`check_node_reads`)."""
+    plan = make_plan(model_dir, tp)
+    for node_ids in (["n"] * tp, ["a", "b"] * (tp // 2)):
+        scheduled = with_node_schedules(plan, node_ids, stripe_bytes=8192)
+        results = run_each_node_cold(scheduled, ReaderOptions(stripe_readers=readers, stripe_timeout_s=60))
+        check_ranks(scheduled, [results[r][0] for r in range(tp)], model_dir)
+        for node in scheduled.nodes:
+            assert all(results[r][1].backend == "cooperative" for r in node.ranks)
+            if readers:
+                assert all(results[r][3]["populated"] for r in node.ranks if node.read_by(r)), "populated, not read"
+
+
+def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
+    """Before Linux 5.14 (no MADV_POPULATE_READ) readers read each stripe into a scratch buffer with positional reads:
+    the same shards, the union read once (`check_node_reads`), and the scratch is the staging reported."""
+    import raylazy.io.cooperative as coop
+
+    monkeypatch.setattr(coop, "_POPULATE", 0)  # the forked ranks inherit it
+    plan = with_node_schedules(make_plan(llama_dir, 4), ["n"] * 4, stripe_bytes=8192)
+    results = run_each_node_cold(plan, READERS)
+    check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
+    assert not any(results[r][3]["populated"] for r in range(4))
+    readers = [results[r][1] for r in range(4) if results[r][3]["preadv"]]
+    assert readers and all(0 < s.staging_bytes <= READERS.stripe_readers * 8192 for s in readers)
+
+
+@pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
+def test_out_buffers_are_filled_in_place(llama_dir, options):
+    plan = with_node_schedules(make_plan(llama_dir, 4), ["n"] * 4, stripe_bytes=8192)
+    results = _ok(run_nodes(plan, options, use_out=True))
+    assert all(results[r][2] for r in range(4))
+    check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
+
+
+@pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
+def test_file_changed_after_planning(llama_dir, tmp_path, options):
+    d = str(shutil.copytree(llama_dir, tmp_path / "llama"))
+    plan = with_node_schedules(make_plan(d, 2), ["n"] * 2, stripe_bytes=8192)
+    with open(plan.files[0].uri, "ab") as f:
+        f.write(b"\0")
+    results = run_nodes(plan, options)
+    assert all(isinstance(e, FileChangedError) for e in results.values()), results
+    assert plan.files[0].uri in str(results[0]) and "plan again" in str(results[0])
+
+
+def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):
+    plan = with_node_schedules(make_plan(llama_dir, 2), ["n"] * 2, stripe_bytes=8192)
+    t0 = time.monotonic()
+    results = run_nodes(plan, ReaderOptions(stripe_readers=4, stripe_timeout_s=2), die={1})
+    err = results[0]
+    assert isinstance(err, ReadError), err
+    assert "rank 1" in str(err) and "not ready within 2 s" in str(err) and ".safetensors" in str(err)
+    assert time.monotonic() - t0 < 60
+
+
+# --- through raylazy.load ---------------------------------------------------------------------------
+
+
+def check_copied_from_mappings(loaded) -> None:
+    """Each rank's read calls (rchar, measured in its process) returned its header checks and little else: its
+    shards were copied out of mappings of the page cache, not read. Which node pulled which page from storage
+    cannot be told apart here (the simulated nodes and earlier tests share one page cache): `run_each_node_cold`
+    measures that, without Ray."""
+    for rp, s in zip(loaded.plan.ranks, loaded.stats):
+        headers = sum(header_bytes(loaded.plan.files[f].uri) for f in {r.file for t in rp.tensors for r in t.reads})
+        assert headers <= s.rchar < headers + s.bytes_needed // 4, (rp.rank, s.rchar, headers, s.bytes_needed)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("tp", (2, 4))
+def test_load_defaults_to_cooperative_on_a_shared_node(llama_dir, ray_local, tp):
+    with raylazy.load(llama_dir, tp, device="cpu", progress=False, stripe_bytes=8192) as loaded:
+        assert {s.backend for s in loaded.stats} == {"cooperative"}
+        (node,) = loaded.plan.nodes
+        assert node.ranks == tuple(range(tp)) and node.node == loaded.ranks[0].node_id
+        check_copied_from_mappings(loaded)
+        check_loaded(loaded, llama_dir)
+
+
+def dying_reader(marker: str) -> type:
+    """A RankLoader class whose rank 1 process dies on its first load (writing `marker`); its restart loads normally.
+    (Defined in a function so that Ray ships the class by value.)"""
+
+    class DyingReader(raylazy.cluster.actor.RankLoader):
+        def load(self, plan, options, node_read=None):
+            if self.info().rank == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+            return super().load(plan, options, node_read)
+
+    return DyingReader
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("readers", (0, 4))
+@pytest.mark.parametrize("retries", (0, 2))
+def test_dead_reader_is_restarted_or_fails_the_load_once(llama_dir, ray_local, tmp_path, retries, readers):
+    marker = str(tmp_path / "died")
+    cls = dying_reader(marker)
+    t0 = time.monotonic()
+    if retries:
+        with raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=retries,
+                          stripe_bytes=8192, stripe_readers=readers) as loaded:
+            assert os.path.exists(marker)
+            check_loaded(loaded, llama_dir)
+    else:
+        maps = lambda: {n for n in os.listdir(shm_dir()) if n.startswith("raylazy-") and n.endswith(".ready")}  # noqa: E731
+        before = maps()
+        with pytest.raises(RankFailedError) as info:
+            raylazy.load(llama_dir, 2, device="cpu", progress=False, actor_cls=cls, max_retries=0,
+                         stripe_timeout_s=20, stripe_readers=readers)
+        assert 1 in info.value.failures and os.path.exists(marker)
+        assert maps() == before  # the surviving rank removed the node's ready map the dead one left
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.ray
+def test_two_nodes_read_on_their_own_schedules(two_node_cluster, llama_dir):
+    """Each rank on its node's schedule, copying from mappings (`check_copied_from_mappings`); bit for bit."""
+    with raylazy.load(llama_dir, 4, use_gpu=True, device="cpu", progress=False, placement_timeout_s=120,
+                      stripe_bytes=8192) as loaded:
+        nodes = {n.node: n for n in loaded.plan.nodes}
+        assert len(nodes) == 2
+        for info, s in zip(loaded.ranks, loaded.stats):
+            assert info.rank in nodes[info.node_id].ranks and s.backend == "cooperative"
+        check_copied_from_mappings(loaded)
+        check_loaded(loaded, llama_dir)

@@ -1,0 +1,37 @@
+"""A broken raylazy load format for the tests (runs in vLLM's workers): rank 0 is served each region's neighbour,
+the bytes the next rank would take, so the weight check of tests/integrations/test_vllm.py must fail on rank 0 and hold on
+the others."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from unittest import mock
+
+import torch
+
+from raylazy.core.boxes import Region
+from raylazy.integrations.serving import RegionReader
+from raylazy.integrations.vllm import RaylazyModelLoader
+
+
+def neighbour(region: Region) -> Region:
+    """The same box one box further along its first narrowed dim (wrapping): what the next rank would take."""
+    cut = [d for d, (n, full) in enumerate(zip(region.sizes, region.tensor.shape)) if n != full]
+    if not cut:
+        return region
+    d = cut[0]
+    start = (region.starts[d] + region.sizes[d]) % region.tensor.shape[d]
+    start = min(start, region.tensor.shape[d] - region.sizes[d])
+    return Region(region.file, region.tensor, region.starts[:d] + (start,) + region.starts[d + 1 :], region.sizes)
+
+
+class PeerBytesLoader(RaylazyModelLoader):
+    """raylazy's loader with rank 0 fed another rank's bytes: its reader plans each region's neighbour in its
+    place."""
+
+    def load_weights(self, model, model_config) -> None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        shard = RegionReader.shard
+        with mock.patch.object(RegionReader, "shard", lambda reads, region, name: shard(reads, neighbour(region), name)) \
+                if rank == 0 else nullcontext():
+            super().load_weights(model, model_config)
