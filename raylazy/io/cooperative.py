@@ -160,8 +160,8 @@ def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], 
 
 @contextmanager
 def _one_intra_op_thread(torch) -> Iterator[None]:
-    """torch's intra-op threads at one while the copies run: the node's ranks share its cores, and more threads
-    only oversubscribe them (measured, tp=4 on 2 cores, cold: 2.9 s with 2 threads per rank, 1.5 s with 1)."""
+    """torch's intra-op threads at one while the copies run: the node's ranks already share its cores between
+    them, so more threads per rank only oversubscribe them (docs/cooperative.md has the measurements)."""
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -177,7 +177,7 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
     left or `stop` is set."""
     view = None
     # file -> (mapping, its address): a shared read-only mapping of the reader's own; populating through the
-    # keeper's private mapping instead was slower (tp=4, 1.98 GB, cold: 1.42-1.47 s against 1.12-1.22 s)
+    # keeper's private mapping instead was slower (docs/cooperative.md, "Why no stripe readers by default")
     maps: dict[int, tuple[mmap.mmap, int]] = {}
     try:
         for i in todo:  # next() on a shared list iterator is atomic under the GIL
@@ -200,8 +200,7 @@ def _populate(source: LocalSource, s, maps: dict[int, tuple[mmap.mmap, int]]) ->
     the kernel cannot (before Linux 5.14), and from then on in this process.
 
     MADV_POPULATE_READ, called through ctypes so the GIL is released while the kernel reads: the kernel reads
-    the stripe in large requests and nothing is copied to user space (measured here on 1.98 GB, 4 processes:
-    0.7 s and 0.23 CPU s against 1.1 s and 0.8 CPU s reading into a buffer)."""
+    the stripe in large requests and nothing is copied to user space, which a read into a buffer would do."""
     import numpy as np
 
     global _POPULATE

@@ -1,4 +1,4 @@
-"""Replicas and loads from a live model (issue 14): replica 0 reads storage once, the others copy its shards;
+"""Replicas and loads from a live model: replica 0 reads storage once, the others copy its shards;
 a new model copies from a live one with no storage access; a source that dies mid-copy falls back to storage,
 or fails with one PeerFailedError when the checkpoint is gone.
 
