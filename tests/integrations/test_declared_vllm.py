@@ -62,7 +62,7 @@ def regions(request, vllm_python, tmp_path_factory):  # noqa: F811
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)))
-    done = subprocess.run([vllm_python, str(REPO / "tests" / "vllm" / "regions.py"), "--tp", str(TP), *dirs.values()],
+    done = subprocess.run([vllm_python, str(REPO / "tests" / "support" / "vllm" / "regions.py"), "--tp", str(TP), *dirs.values()],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=1500)
     assert done.returncode == 0, done.stdout[-6000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])

@@ -158,7 +158,7 @@ def _start(python: str, runs: list[dict], env: dict) -> tuple[list[dict], dict |
     while len(results) < len(runs):
         rest = runs[len(results):]
         try:
-            out = subprocess.run([python, str(REPO / "tests" / "vllm" / "engines.py"), "--runs", json.dumps(rest),
+            out = subprocess.run([python, str(REPO / "tests" / "support" / "vllm" / "engines.py"), "--runs", json.dumps(rest),
                                   "--prompts", json.dumps(PROMPTS), "--max-tokens", str(MAX_TOKENS)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                  timeout=2300).stdout
