@@ -133,3 +133,30 @@ def s3():
     server = S3Server()
     yield server
     server.close()
+
+
+# --- network file systems ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def netfs():
+    """Mount a directory as an emulated network file system: `netfs(source_dir, mode="cached" | "direct",
+    latency_s=..., bandwidth_bps=...)` returns a mounted `benchmarks.netfs.NetFS`; every mount is closed
+    (unmounted, its server ended, its mount point removed) when the test ends. Skipped where FUSE cannot mount,
+    saying why, except where RAYLAZY_REQUIRE_FUSE=1 (.ci/run) makes that a failure."""
+    from benchmarks.netfs import NetFS
+
+    mounts = []
+
+    def mount(source: str, **options):
+        try:
+            fs = NetFS(source, **options)
+        except RuntimeError as e:
+            if os.environ.get("RAYLAZY_REQUIRE_FUSE") == "1":
+                pytest.fail(f"RAYLAZY_REQUIRE_FUSE=1 but FUSE cannot mount here: {e}")
+            pytest.skip(f"no FUSE mount on this machine: {e}")
+        mounts.append(fs)
+        return fs
+
+    yield mount
+    for fs in mounts:
+        fs.close()
