@@ -46,4 +46,6 @@ def make_plan(
                      keep_mtp=keep_mtp, preset=preset, uneven=uneven, max_gap=max_gap)
     with gc_paused():  # the headers are most of the small objects too
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options)
-        return plan_checkpoint(ckpt, opts, rules, storage_for(ckpt.root, storage_options).cost_model())
+        storage = storage_for(ckpt.root, storage_options)
+        plan = plan_checkpoint(ckpt, opts, rules, storage.cost_model())
+        return plan.model_copy(update={"storage": storage.kind(ckpt.root)})

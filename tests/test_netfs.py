@@ -160,7 +160,7 @@ def _ranges(plan, rank: int, original: str) -> list[tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["cached"])
+@pytest.mark.parametrize("mode", ["cached", "direct"])
 def test_a_checkpoint_read_through_the_mount_is_the_checkpoint(netfs, llama_dir, mode):
     """Both ranks' shards are the checkpoint's (by the oracle, from the original files), and the server served
     exactly what the plan reads: with direct_io every range of every rank, bytes for bytes; with the page cache

@@ -16,6 +16,7 @@ from pydantic_core import core_schema
 
 from ..errors import LayoutMismatchError, PlanFormatError
 from .dtypes import DTYPE_BITS
+from .kinds import StorageKind
 from .mesh import Mesh
 
 
@@ -214,6 +215,8 @@ class Plan(_Frozen):
     skipped: tuple[str, ...]
     ranks: tuple[RankPlan, ...]
     nodes: tuple[NodeSchedule, ...] = ()
+    #: The storage the checkpoint is on (`raylazy.storage.kinds`); None where its storage cannot tell.
+    storage: StorageKind | None = None
 
     @property
     def tp(self) -> int:
@@ -279,6 +282,7 @@ class Plan(_Frozen):
             f"plan: {self.root} ({self.model_type or 'unknown model type'}), tp={self.tp}, "
             f"{f'pp={self.mesh.pp}, ' if self.mesh.pp > 1 else ''}"
             f"{len(self.files)} file(s), {format_bytes(naive)} in the checkpoint",
+            *([f"storage: {self.storage.describe()}"] if self.storage else []),
             f"{'rank':>4} {'tensors':>8} {'needed':>11} {'read':>11} {'requests':>9} {'files':>5}",
         ]
         reading = self.ranks[: len(self.ranks) // self.mesh.dp]  # replica 0 reads; the other replicas copy it

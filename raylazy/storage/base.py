@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.costs import CostModel
+from ..core.kinds import StorageKind
 
 
 class NotAFileError(OSError):
@@ -89,6 +90,11 @@ class Storage(ABC):
     def cost_model(self) -> CostModel | None:
         """What reads cost here, for the planner's choice of reading row-split tensors whole or row by row; None:
         a request costs little (local files: rows are read exactly)."""
+        return None
+
+    def kind(self, uri: str) -> StorageKind | None:
+        """The kind of storage `uri` is on (`raylazy.core.kinds`), for the plan and the readers to shape reads by;
+        None: not known."""
         return None
 
     def listing(self, uri: str) -> Listing | None:

@@ -8,8 +8,10 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.kinds import StorageKind
 from ..errors import ConfigurationError
 from .base import NotAFileError, Source, Storage, local_path
+from .kinds import direct_io, storage_kind
 
 #: Bytes per POSIX_FADV_WILLNEED call: the kernel reads at most max(read-ahead, max I/O size) per call.
 _HINT_BYTES = 128 << 10
@@ -20,10 +22,11 @@ _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class LocalSource(Source):
-    """A local file held open by descriptor: every read is one `os.preadv`/`os.pread` at an offset."""
+    """A local file held open by descriptor: every read is one `os.preadv`/`os.pread` at an offset. `cached`: the
+    kernel keeps its pages (False for a FUSE file served with direct_io, where read-ahead hints are not given)."""
 
-    def __init__(self, uri: str, fd: int, size: int):
-        self.uri, self.fd, self.size = uri, fd, size
+    def __init__(self, uri: str, fd: int, size: int, cached: bool = True):
+        self.uri, self.fd, self.size, self.cached = uri, fd, size, cached
 
     def read(self, offset: int, n: int) -> bytes:
         chunks, got = [], 0
@@ -77,7 +80,11 @@ class LocalSource(Source):
             pass
 
     def will_need(self, start: int, end: int) -> None:
-        """POSIX_FADV_WILLNEED in pieces of _HINT_BYTES, so the kernel starts reading all of [start, end)."""
+        """POSIX_FADV_WILLNEED in pieces of _HINT_BYTES, so the kernel starts reading all of [start, end). Not where
+        the kernel keeps no pages (direct_io): there it would read them into the page cache anyway, for no read,
+        and every byte would be fetched from the storage twice."""
+        if not self.cached:
+            return
         try:
             for a in range(start, end, _HINT_BYTES):
                 os.posix_fadvise(self.fd, a, min(_HINT_BYTES, end - a), os.POSIX_FADV_WILLNEED)
@@ -108,7 +115,10 @@ class LocalStorage(Storage):
         except BaseException:
             os.close(fd)
             raise
-        return LocalSource(uri, fd, st.st_size)
+        return LocalSource(uri, fd, st.st_size, cached=not direct_io(fd))
+
+    def kind(self, uri: str) -> StorageKind:
+        return storage_kind(local_path(uri))
 
     def list(self, uri: str) -> list[str]:
         return os.listdir(local_path(uri))

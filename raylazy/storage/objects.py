@@ -57,6 +57,7 @@ from obstore.exceptions import NotFoundError, PermissionDeniedError, Preconditio
 from obstore.store import from_url
 
 from ..core.costs import CostModel
+from ..core.kinds import StorageKind
 from ..errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, StorageAccessError, first_line
 from .base import Listing, NotAFileError, Source, Storage
 
@@ -252,6 +253,10 @@ class ObjectStorage(Storage):
         with self._lock:
             if len(self._samples) < _SAMPLES:
                 self._samples.append((first_byte_s, nbytes, body_s))
+
+    def kind(self, uri: str) -> StorageKind:
+        """Object storage: every read a request over the network, no page cache."""
+        return StorageKind(name="object", fs_type=self.scheme, network=True, page_cache=False)
 
     def cost_model(self) -> CostModel:
         """Latency and per-connection bandwidth as given, else as measured on the first GETs, else the defaults."""
