@@ -12,7 +12,6 @@ kernel shows by refusing a shared mapping of a file (ENODEV): a checkpoint file 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -69,6 +68,9 @@ _FUSE: dict[str, tuple[str, bool]] = {
     "sshfs": ("sshfs", True),
 }
 
+#: The C library, from the symbols already loaded (ctypes.util.find_library would run and read ldconfig: a
+#: reader's process must read nothing but the checkpoint).
+_LIBC = ctypes.CDLL(None, use_errno=True)
 FUSE_MAGIC = 0x65735546
 #: statfs f_type magic numbers (linux/magic.h and the file systems' own sources) and the type each stands for.
 MAGIC: dict[int, str] = {
@@ -137,9 +139,8 @@ def kind_of(fs_type: str, options: frozenset[str] = frozenset(), mount_point: st
 def statfs_type(where: str | int) -> int | None:
     """The magic number of the file system holding `where` (a path, or an open descriptor): statfs's f_type; None
     where it cannot be had."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
-    failed = libc.fstatfs(where, buf) if isinstance(where, int) else libc.statfs(os.fsencode(where), buf)
+    failed = _LIBC.fstatfs(where, buf) if isinstance(where, int) else _LIBC.statfs(os.fsencode(where), buf)
     return None if failed else ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
