@@ -21,10 +21,12 @@ thread per request in flight, which is what lets a latency per request overlap a
 network file system. pyfuse3 and llfuse are Cython builds against libfuse's headers, and pyfuse3 serves on one
 trio event loop; fusepy itself is unmaintained (last release 2018) and speaks only libfuse 2.
 
-Parameters of real systems, and the emulator's (docs/network-storage.md has the reasoning): `PROFILES`. A Python
-FUSE server on this project's 2-core machines serves about 1 GB/s sequentially through a cached mount with no budget
-(the measurement: docs/network-storage.md), so the emulated profiles keep the real systems' latency and scale their
-bandwidth down to a budget the server meets with room to spare, 250 MB/s.
+Parameters of real systems, and the emulator's (docs/network-storage.md has the reasoning): `PROFILES`. This Python
+server on a 2-core machine, shared and busy, with no budget and no latency, serves a file read sequentially at
+0.39-0.43 GB/s to one reader of the cached mode (128 KiB read-ahead requests) and 0.66-0.86 GB/s to four, at
+0.72-0.85 GB/s to one reader of the direct mode (1 MiB requests) and 1.26-1.34 GB/s to four (the command:
+docs/network-storage.md). So the emulated profiles keep the real systems' latency and page-cache behaviour and
+scale their bandwidth down to 250 MB/s, a budget the server meets with room to spare.
 
     with NetFS(source_dir, mode="cached", latency_s=0.002, bandwidth_bps=250e6) as fs:
         ...read under fs.mountpoint...
@@ -58,23 +60,34 @@ MODES = ("cached", "direct")
 
 @dataclass(frozen=True)
 class Profile:
-    """A network storage's parameters: the wait of each request, the bandwidth all clients of a node share (0: no
-    budget), and whether the kernel keeps pages (`cached`) or every read reaches the storage (`direct`)."""
+    """A network storage's parameters: the wait of each request, the bandwidth a client node gets (0: no budget),
+    whether the kernel keeps pages (`cached`) or every read reaches the storage (`direct`), and the read-ahead
+    that sizes a cached mount's requests (None: the kernel's 128 KiB)."""
 
     latency_s: float
     bandwidth_bps: float
     mode: str
+    read_ahead_kb: int | None
     note: str
+
+    def mount(self, source: str, **overrides) -> NetFS:
+        """`source` mounted with these parameters (any of NetFS's keyword arguments overriding them)."""
+        params = dict(mode=self.mode, latency_s=self.latency_s, bandwidth_bps=self.bandwidth_bps,
+                      read_ahead_kb=self.read_ahead_kb)
+        return NetFS(source, **(params | overrides))
 
 
 #: Real systems (per client node, as their documentation and common measurements put them), and the emulator's
 #: versions of them: the same latency and page-cache behaviour, bandwidth scaled to what the server can serve.
 PROFILES = {
-    "efs": Profile(0.0015, 500e6, "cached", "EFS / Filestore over NFSv4: 1-2 ms a request, a few hundred MB/s a client"),
-    "lustre": Profile(0.0003, 5e9, "cached", "Lustre: sub-ms RPCs of 1-4 MiB, GB/s a client across its OSTs"),
-    "gcsfuse": Profile(0.030, 200e6, "direct", "gcsfuse / mountpoint-s3 without a cache: tens of ms to first byte"),
-    "emulated-nfs": Profile(0.002, 250e6, "cached", "the tests' NFS-like mount: EFS's latency at a 2-core budget"),
-    "emulated-bucket": Profile(0.010, 250e6, "direct", "the tests' uncached bucket mount, latency scaled like the budget"),
+    "efs": Profile(0.0015, 500e6, "cached", 1024,
+                   "EFS / Filestore over NFSv4.1: 1-2 ms a request, a few hundred MB/s a client, rsize 1 MiB"),
+    "lustre": Profile(0.0003, 5e9, "cached", 4096, "Lustre: sub-ms RPCs of 1-4 MiB, GB/s a client across its OSTs"),
+    "gcsfuse": Profile(0.030, 200e6, "direct", None,
+                       "gcsfuse / mountpoint-s3 without a cache: tens of ms to first byte, ~100-200 MB/s a stream"),
+    "emulated-nfs": Profile(0.002, 250e6, "cached", 1024, "the tests' NFS-like mount: EFS's latency at a 2-core budget"),
+    "emulated-bucket": Profile(0.010, 250e6, "direct", None,
+                               "the tests' uncached bucket mount: a bucket's latency scaled down like the budget"),
 }
 
 
@@ -263,7 +276,7 @@ class NetFS:
     """`source` mounted at a new temporary directory by a server process of its own (see the module docstring)."""
 
     def __init__(self, source: str, mode: str = "cached", latency_s: float = 0.0, bandwidth_bps: float = 0.0,
-                 max_threads: int = 64, start_timeout_s: float = 15.0):
+                 read_ahead_kb: int | None = None, max_threads: int = 64, start_timeout_s: float = 15.0):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {MODES}")
         problem = fuse_problem()
@@ -285,9 +298,19 @@ class NetFS:
                     raise RuntimeError(f"the FUSE server did not mount {self.mountpoint} (exit status "
                                        f"{self.proc.poll()}); its log:\n{self.log()[-3000:]}")
                 time.sleep(0.05)
+            if read_ahead_kb is not None:
+                self.read_ahead(read_ahead_kb)
         except BaseException:
             self.close()
             raise
+
+    def read_ahead(self, kb: int) -> None:
+        """Set the mount's read-ahead (its bdi's read_ahead_kb; root only). The kernel reads a FUSE mount's pages
+        in requests of at most its read-ahead, 128 KiB by default, where an NFS client asks for rsize (1 MiB) at a
+        time for large reads: 1024 makes the cached mode's requests NFS-sized."""
+        dev = os.stat(self.mountpoint).st_dev
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
 
     def log(self) -> str:
         try:

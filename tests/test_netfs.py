@@ -215,3 +215,14 @@ def test_close_leaves_no_mount_no_process_and_no_mount_point(data_dir):
         assert where not in f.read()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not [p for p in psutil.process_iter(["cmdline"]) if where in " ".join(p.info["cmdline"] or ())]
+
+
+def test_read_ahead_sizes_the_requests_of_a_cached_mount(netfs, data_dir):
+    """The kernel's default read-ahead asks for 128 KiB at a time; 1 MiB, as an NFS client's rsize, four requests for
+    a file of 4 MiB read sequentially."""
+    if os.geteuid() != 0:
+        pytest.skip("setting a mount's read-ahead needs root")
+    fs = netfs(data_dir, mode="cached", read_ahead_kb=1024)
+    with open(fs.path("a.bin"), "rb", buffering=0) as f:
+        assert f.read() == _original(data_dir, "a.bin", 0, 4 << 20)
+    assert (fs.stats()["requests"], fs.stats()["bytes"]) == (4, 4 << 20)
