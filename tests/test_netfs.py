@@ -18,7 +18,7 @@ import torch
 from checkpoints import reference_tensors
 from expected import expected_rank, model_config
 
-from benchmarks.netfs import NetFS, mounted
+from benchmarks.netfs import mounted
 
 PAGE = mmap.PAGESIZE
 
@@ -192,10 +192,10 @@ def test_a_checkpoint_read_through_the_mount_is_the_checkpoint(netfs, llama_dir,
     assert fs.stats()["bytes"] == expected
 
 
-def test_close_leaves_no_mount_no_process_and_no_mount_point(data_dir):
+def test_close_leaves_no_mount_no_process_and_no_mount_point(netfs, data_dir):
     import psutil
 
-    fs = NetFS(data_dir, mode="direct")
+    fs = netfs(data_dir, mode="direct")
     pid, where = fs.proc.pid, fs.mountpoint
     fd = os.open(fs.path("a.bin"), os.O_RDONLY)  # a file still open at close: the mount is detached, then ended
     try:
