@@ -40,7 +40,7 @@ _FORK = multiprocessing.get_context("fork")
 
 
 def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str) -> None:
-    from raylazy.core.schedule import NodeTask
+    from raylazy.core.schedule import NodeRead
     from raylazy.io.cooperative import read_rank_cooperative
     from raylazy.io.ranged import read_rank_ranged
 
@@ -50,7 +50,7 @@ def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str) -
     elif loader == "ranged":
         read_rank_ranged(rp, "cpu")
     else:
-        read_rank_cooperative(rp, "cpu", node=NodeTask(load_id, plan.node_of(rank)))
+        read_rank_cooperative(rp, "cpu", node_read=NodeRead(plan.node_of(rank), load_id=load_id))
 
 
 def _rank(loader, plan, rank, files, load_id, go, done) -> None:

@@ -15,10 +15,10 @@ import time
 
 import pytest
 import torch
-from checkpoints import reference_tensors
-from expected import expected_rank, model_config
 
 from benchmarks.netfs import mounted
+from tests.support.checkpoints import reference_tensors
+from tests.support.expected import expected_rank, model_config
 
 PAGE = mmap.PAGESIZE
 
