@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +36,7 @@ from tests.support.planlib import apply_reads, as_bytes, read_files
 
 TP = 2
 #: The development tools (tools/declared_plans.py: the table's generator).
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = REPO / "tools"
 #: Sizes every architecture gets (vLLM-free: head_dim 16 is fine for transformers on CPUs).
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              num_hidden_layers=2, vocab_size=256, moe_intermediate_size=32, num_local_experts=4, num_experts=4,
