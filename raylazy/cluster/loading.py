@@ -37,8 +37,12 @@ class Load:
 
     def __init__(self, group: RankGroup, options: LoadOptions, held: Plan | None = None):
         self.group, self.options, self.held = group, options, held
-        self.what = "load" if held is None else "reload"  # what a failure says failed
         self.deadline: Deadline | None = None  # set once the ranks are placed
+
+    @property
+    def what(self) -> str:
+        """What a failure says failed."""
+        return "load" if self.held is None else "reload"
 
     @classmethod
     def start(cls, options: LoadOptions, own_ray: bool, actor_cls: type = RankLoader,
