@@ -25,8 +25,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +68,7 @@ def run_tests(seconds: float) -> dict:
             "tail": tail}
 
 
-def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bool, barrier, results) -> None:
+def _rank(loader: str, rank: int, tp: int, model_dir: str, meet: str, cpu: bool, barrier, results) -> None:
     """One rank of one loader: plan, wait for the others, load onto cuda:rank (or the CPU), report the seconds."""
     import torch
 
@@ -76,6 +78,7 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
     from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import node_schedule
     from raylazy.io.backends import node_read
+    from raylazy.io.collective import meet_through
     from raylazy.io.exchange import read_rank_exchanged
     from raylazy.io.fst import read_rank_fastsafetensors
     from raylazy.io.ranged import read_rank_ranged
@@ -87,6 +90,7 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
             torch.empty(1, device=device)  # CUDA context before the clock starts, as a rank actor has
         plan = raylazy.plan(model_dir, tp)
         rp = plan.ranks[rank]
+        address = meet_through(meet, rank, 120.0) if loader == "exchange" else ""
         barrier.wait()
         t0 = time.perf_counter()
         if loader == "raw":
@@ -107,12 +111,10 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, address: str, cpu: bo
 
 def bench(loader: str, tp: int, model_dir: str, seconds: float, cpu: bool = False) -> dict:
     """Run `loader` on tp rank processes; the slowest rank's seconds, or why it failed."""
-    from raylazy.io.collective import node_address
-
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(tp), ctx.Queue()
-    address = node_address("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(loader, r, tp, model_dir, address, cpu, barrier, results), daemon=True)
+    meet = os.path.join(tempfile.mkdtemp(prefix="raylazy-meet-"), "address")
+    procs = [ctx.Process(target=_rank, args=(loader, r, tp, model_dir, meet, cpu, barrier, results), daemon=True)
              for r in range(tp)]
     for p in procs:
         p.start()
@@ -129,6 +131,7 @@ def bench(loader: str, tp: int, model_dir: str, seconds: float, cpu: bool = Fals
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
+    shutil.rmtree(os.path.dirname(meet), ignore_errors=True)
     errors = sorted({e for _, e in got.values() if e})
     if len(got) < tp:
         errors.append(f"{tp - len(got)} rank(s) gave no result within {seconds:.0f} s")

@@ -59,8 +59,12 @@ def _worker(spec: dict) -> dict:
     import raylazy.io.ranged  # noqa: F401
 
     if world and spec["loader"] == "runai":
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://{spec['address']}", rank=spec["rank"],
+        torch.distributed.init_process_group("gloo", init_method=f"file://{spec['barrier']}.store", rank=spec["rank"],
                                              world_size=world)
+    elif world:
+        from raylazy.io.collective import meet_through
+
+        spec["address"] = meet_through(f"{spec['barrier']}.address", spec["rank"], 120.0)
     if world:
         _barrier(spec["barrier"], spec["rank"], world)
     t0 = time.perf_counter()
@@ -181,13 +185,10 @@ class Bench:
                               estimate=self._estimate(rp) if loader.startswith("raylazy") else None), (tp, rank))
 
     def node(self, tp: int, loader: str) -> None:
-        from raylazy.io.collective import node_address
-
         plan, path = self.plan(tp, "raylazy", nodes=loader == "raylazy")
-        address = node_address("127.0.0.1")
         union = sum(f.size for f in plan.files)
         barrier = os.path.join(self.out, f"ready-{time.monotonic_ns()}")
-        specs = [dict(loader=loader, plan=path, rank=r, world=tp, address=address, barrier=barrier,
+        specs = [dict(loader=loader, plan=path, rank=r, world=tp, barrier=barrier,
                       options=self.options, get_bytes=union) for r in range(1 if loader == "get" else tp)]
         if loader == "get":
             specs[0].pop("world")

@@ -30,7 +30,7 @@ from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
-from ..io.collective import Exchange, collective_backend, node_address
+from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
 from ..storage import open_planned_files, storage_for
 from .lazy import LazyWeight
 from .options import LazyOptions
@@ -186,11 +186,13 @@ class Serving:
             return self._alone(solo_backend(requested), budget)
         tensors = list(self.reads.ckpt.tensors())
         index = {t.name: i for i, (_, t) in enumerate(tensors)}
-        me = _Peer(node_key(), node_address("127.0.0.1"), uuid.uuid4().hex,
+        me = _Peer(node_key(), serve_rendezvous("127.0.0.1"), uuid.uuid4().hex,
                    [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
         peers = group.all_gather(me)
         here = [i for i, p in enumerate(peers) if p.node == me.node]
         backend = backend_for(requested, len(here), self.device, self.reads.files)
+        if backend != "exchange" or here[0] != group.rank:  # the node meets at its first process's server, if at all
+            close_rendezvous(me.address)
         if backend not in NODE_BACKENDS:
             return self._alone(backend, budget)
         self.stats.node_processes = len(here)
@@ -198,6 +200,8 @@ class Serving:
         first, local = peers[here[0]], here.index(group.rank)
         batches = [self._node_batch(cut, local, backend, f"{first.load_id}-{b}", first.address)
                    for b, cut in enumerate(batch_cuts(wants, budget))]
+        if not batches:
+            close_rendezvous(me.address)
         session = _exchange(local, len(here), first.address, self.device, self.options.reader.stripe_timeout_s) \
             if backend == "exchange" and batches else nullcontext()
         return backend, batches, session

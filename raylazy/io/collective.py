@@ -2,11 +2,12 @@
 CPU tensors, NCCL for CUDA tensors), never the default group, so the application stays free to call
 `torch.distributed.init_process_group` in the same processes.
 
-The ranks of a node meet at one address, `host:port`: local rank 0 serves the rendezvous (a TCPStore) there,
-the others connect to it. The driver asks the node's local rank 0 to `serve_rendezvous` (the server binds a port
-the OS picks, so nothing can take it before the load starts) and passes the address to all of that node's ranks
-(see `RankMixin.exchange_address`); the Exchange that rank then makes there uses that server. Where no rank
-serves it ahead (`node_address`: a free port picked now), local rank 0's Exchange starts the server itself.
+The ranks of a node meet at one address, `host:port`, served by local rank 0 (a TCPStore on a port the OS picks
+as it binds it, so nothing can take the port between choosing and using it: `serve_rendezvous`) and handed to
+the node's other ranks. Inside Ray the driver asks each node's local rank 0 and passes the answer on (see
+`RankMixin.exchange_address`); processes started otherwise (multiprocessing, torchrun) hand it over through a
+file (`meet_through`); vLLM's workers gather it with their other facts. Local rank 0 makes its Exchange at the
+address it served; a server no Exchange takes is closed (`close_rendezvous`).
 
 Every rank calls `all_to_all` the same number of times, in the same order: each call moves, from every rank
 to every rank, a segment of the caller's `send` tensor (sizes `send_sizes`, in local-rank order) into its
@@ -16,7 +17,8 @@ every reader to the ranks that keep its bytes. gloo and NCCL both implement it (
 
 from __future__ import annotations
 
-import socket
+import os
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -24,18 +26,6 @@ from ..errors import ConfigurationError, PeerFailedError, first_line
 
 #: Exchange backends and the device type each moves.
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port nobody listens on at `host` now (the OS picks it; it may be taken again before it is used)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def node_address(host: str) -> str:
-    """`host:port` for a node's ranks to meet at: `host` (the IP of the node's local rank 0) and a free port."""
-    return f"{host}:{free_port(host)}"
 
 
 #: Rendezvous servers this process started (`serve_rendezvous`) that no Exchange has taken yet, by address.
@@ -53,6 +43,30 @@ def serve_rendezvous(host: str) -> str:
     address = f"{host}:{store.port}"
     _SERVED[address] = store
     return address
+
+
+def close_rendezvous(address: str) -> None:
+    """Stop serving the rendezvous at `address` if this process serves it and no Exchange has taken it."""
+    _SERVED.pop(address, None)
+
+
+def meet_through(path: str, local_rank: int, timeout_s: float, host: str = "127.0.0.1") -> str:
+    """The node's meeting address for processes that share a file system but no driver: local rank 0 serves the
+    rendezvous and writes its address to `path` (atomically); the others wait up to `timeout_s` for the file."""
+    if local_rank == 0:
+        address = serve_rendezvous(host)
+        with open(f"{path}.tmp", "w") as f:
+            f.write(address)
+        os.replace(f"{path}.tmp", path)
+        return address
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise PeerFailedError(f"exchange: local rank {local_rank} waited {timeout_s:g} s for local rank 0 to "
+                                  f"name the node's meeting address in {path}; local rank 0 did not start or failed")
+        time.sleep(0.01)
+    with open(path) as f:
+        return f.read()
 
 
 def collective_backend(device: str) -> str:
@@ -83,14 +97,18 @@ class Exchange:
             raise ConfigurationError(f"exchange: local rank {rank} is not in 0..{size - 1}")
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigurationError(f"exchange address {address!r} is not host:port (see raylazy.io.collective.node_address)")
+            raise ConfigurationError(f"exchange address {address!r} is not host:port (see raylazy.io.collective.serve_rendezvous)")
         self.rank, self.size, self.address, self.timeout_s, self.backend = rank, size, address, timeout_s, backend
         self.device = device or BACKEND_DEVICE[backend]
         timeout = timedelta(seconds=timeout_s)
+        self._store = _SERVED.pop(address, None) if rank == 0 else None
+        if rank == 0 and self._store is None:
+            raise ConfigurationError(
+                f"exchange: local rank 0 makes its Exchange at the address it serves, and this process serves none "
+                f"at {address}: call raylazy.io.collective.serve_rendezvous in it first")
         try:
-            self._store = _SERVED.pop(address, None) if rank == 0 else None
-            if self._store is None:
-                self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+            if rank:
+                self._store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
             self._store.set_timeout(timeout)
             if backend == "gloo":
                 self._pg = dist.ProcessGroupGloo(self._store, rank, size, timeout)
@@ -104,11 +122,10 @@ class Exchange:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self._pg = dist.ProcessGroupNCCL(self._store, rank, size, opts)
-        except (RuntimeError, OSError) as e:  # the rendezvous timed out, or the port is taken
+        except (RuntimeError, OSError) as e:  # the rendezvous timed out
             raise PeerFailedError(
                 f"exchange: local rank {rank} of {size} could not meet the node's other ranks at {address} within "
-                f"{timeout_s:g} s ({backend}): {e}; a rank did not start, failed before joining, or the port was "
-                "taken: load again") from None
+                f"{timeout_s:g} s ({backend}): {e}; a rank did not start or failed before joining: load again") from None
 
     def all_to_all(self, recv, send, recv_sizes: Sequence[int], send_sizes: Sequence[int], what: str = "") -> None:
         """Send segment i of `send` (`send_sizes[i]` elements) to local rank i, receive segment j of `recv`

@@ -25,7 +25,7 @@ from raylazy.core.schedule import node_schedule, rank_keeps
 from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
 from raylazy.io import exchange
 from raylazy.io.backends import node_read
-from raylazy.io.collective import node_address
+from raylazy.io.collective import meet_through
 from raylazy.io.exchange import NodeRounds, read_rank_exchanged
 from tests.support import REPO
 from tests.support.measured import SyscallLog, assert_header_checks_only, header_bytes, needed_pages, pages
@@ -41,7 +41,7 @@ DEADLINE_S = 240
 HUGE = 1 << 40
 
 
-def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | None) -> None:
+def _worker(local: int, rank: int, device: str, cases: list, out_path: str, fault: str | None) -> None:
     """One rank: run every case in turn (each its own exchange), write [(shards, stats) or error] to out_path."""
     if fault == "absent":  # never joins: the others must give up at the rendezvous
         return
@@ -58,8 +58,9 @@ def _worker(rank: int, device: str, cases: list, out_path: str, fault: str | Non
 
         exchange._StripeReader._read = broken
     results, log = [], SyscallLog().install()
-    for plan, sched, address, budget, timeout_s in cases:
+    for plan, sched, meet, budget, timeout_s in cases:
         try:
+            address = meet_through(meet, local, timeout_s)
             options = ReaderOptions(staging_budget=budget, stripe_timeout_s=timeout_s)
             first = len(log.preadv)
             shards, stats = read_rank_exchanged(plan.ranks[rank], device, node_read=node_read("exchange", plan, sched, "", address),
@@ -76,13 +77,14 @@ def run_node(tmp_path, cases: list, devices: list[str], fault: dict[int, str] | 
     """Run `cases` [(plan, sched, budget, timeout_s)] on one process per device (local rank = index);
     returns per case, per local rank, (shards, stats dict, its positional reads (path, start, end)) or the error it
     raised (None: no result)."""
-    cases = [(plan, sched, node_address("127.0.0.1"), budget, t) for plan, sched, budget, t in cases]
+    cases = [(plan, sched, str(tmp_path / f"meet-{c}-{time.monotonic_ns()}"), budget, t)
+             for c, (plan, sched, budget, t) in enumerate(cases)]
     fault = fault or {}
     procs, paths = [], []
     for local, device in enumerate(devices):
         path = tmp_path / f"rank{local}-{time.monotonic_ns()}.pkl"
         rank = cases[0][1].ranks[local]
-        procs.append(CTX.Process(target=_worker, args=(rank, device, cases, str(path), fault.get(local)), daemon=True))
+        procs.append(CTX.Process(target=_worker, args=(local, rank, device, cases, str(path), fault.get(local)), daemon=True))
         paths.append(path)
     for p in procs:
         p.start()
