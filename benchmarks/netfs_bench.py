@@ -11,7 +11,10 @@ from the moment all are told to go until the last is done. Loaders:
   an uncached (direct_io) mount refuses;
 - `ranged`: `raylazy.io.ranged.read_rank_ranged`, each rank its own byte ranges;
 - `cooperative`: `raylazy.io.cooperative.read_rank_cooperative`, the node's union once through the page cache
-  (it maps the files: an uncached mount refuses it too).
+  (it maps the files: an uncached mount refuses it too);
+- `raylazy`: what `raylazy.load` reads a node with (`raylazy.io.backends.rank_reader` on the reader options
+  shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage (cooperative with
+  a page cache, the exchange without), as many requests in flight and as large as the kind's cost model says.
 
 Every (mode, loader) is run `--runs` times, the loaders' order rotating between runs, all modes and loaders
 side by side in one alternating run. The table gives the median seconds, that time over raw's, and what
@@ -35,12 +38,14 @@ from .loaders import impls
 from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
 from .netfs import PROFILES, fuse_problem
 
-LOADERS = ("raw", "naive", "ranged", "cooperative")
+LOADERS = ("raw", "naive", "ranged", "cooperative", "raylazy")
 _FORK = multiprocessing.get_context("fork")
 
 
-def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str) -> None:
+def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, reader) -> None:
     from raylazy.core.schedule import NodeRead
+    from raylazy.io.backends import NODE_BACKENDS, node_read, read_rank
+    from raylazy.io.collective import meet_through
     from raylazy.io.cooperative import read_rank_cooperative
     from raylazy.io.ranged import read_rank_ranged
 
@@ -49,18 +54,24 @@ def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str) -
         impls.LOADERS[loader](torch, rp, files)
     elif loader == "ranged":
         read_rank_ranged(rp, "cpu")
-    else:
+    elif loader == "cooperative":
         read_rank_cooperative(rp, "cpu", node_read=NodeRead(plan.node_of(rank), load_id=load_id))
+    else:  # as raylazy.load reads: options shaped for the storage, the backend chosen for it
+        together = reader.backend in NODE_BACKENDS
+        address = meet_through(os.path.join(tempfile.gettempdir(), load_id), rank, 60.0) \
+            if reader.backend == "exchange" else ""
+        read_rank(rp, "cpu", options=reader,
+                  node_read=node_read(reader.backend, plan, plan.node_of(rank), load_id, address) if together else None)
 
 
-def _rank(loader, plan, rank, files, load_id, go, done) -> None:
+def _rank(loader, plan, rank, files, load_id, reader, go, done) -> None:
     import torch
 
     torch.set_num_threads(1)
     go.wait()
     t = time.perf_counter()
     try:
-        _load(loader, torch, plan, rank, files, load_id)
+        _load(loader, torch, plan, rank, files, load_id, reader)
         done.put((rank, time.perf_counter() - t, None))
     except BaseException as e:  # noqa: BLE001  (reported in the table)
         done.put((rank, time.perf_counter() - t, f"{type(e).__name__}: {e}".splitlines()[0][:80]))
@@ -70,15 +81,21 @@ def _rank(loader, plan, rank, files, load_id, go, done) -> None:
 def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
     """One cold load of every rank of `tp` by `loader` on a fresh mount of `model_dir` in `mode`."""
     import raylazy
+    from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import with_node_schedules
+    from raylazy.io.backends import rank_reader
+    from raylazy.storage import storage_for
 
     with PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"].mount(model_dir) as fs:
-        plan = with_node_schedules(raylazy.plan(fs.mountpoint, tp=tp), ["node0"] * tp)
+        plan = raylazy.plan(fs.mountpoint, tp=tp)
+        reader = rank_reader(ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root)), tp, "cpu",
+                             plan.files, plan.storage)
+        plan = with_node_schedules(plan, ["node0"] * tp, reader.stripe_bytes if loader == "raylazy" else None)
         files = checkpoint_files(fs.mountpoint)
         fs.reset()  # planning's header reads are not the load's
         go, done = _FORK.Event(), _FORK.Queue()
         load_id = f"netfsbench{os.getpid()}x{time.monotonic_ns()}"
-        procs = [_FORK.Process(target=_rank, args=(loader, plan, r, files, load_id, go, done)) for r in range(tp)]
+        procs = [_FORK.Process(target=_rank, args=(loader, plan, r, files, load_id, reader, go, done)) for r in range(tp)]
         for p in procs:
             p.start()
         time.sleep(0.5)  # every rank forked and waiting
@@ -91,7 +108,8 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
         stats = fs.stats()
     errors = [e for _, _, e in results if e]
     return dict(seconds=seconds, error=errors[0] if errors else None, bytes=stats["bytes"],
-                requests=stats["requests"], in_flight=stats["most_in_flight"], checkpoint=plan.checkpoint_bytes)
+                requests=stats["requests"], in_flight=stats["most_in_flight"], checkpoint=plan.checkpoint_bytes,
+                plan=plan)
 
 
 def main(argv: list[str]) -> int:
@@ -109,6 +127,7 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (imported before the ranks fork: pre-started)
 
     import raylazy.io.cooperative  # noqa: F401
+    import raylazy.io.exchange  # noqa: F401
     import raylazy.io.ranged  # noqa: F401
 
     impls.preload("naive")

@@ -234,7 +234,7 @@ class Bench:
     def _estimate(self, rp) -> float:
         from raylazy.storage import storage_for
 
-        return storage_for(self.uri, self.options).cost_model().rank_seconds(rp)
+        return storage_for(self.uri, self.options).cost_model(self.uri).rank_seconds(rp)
 
     def _count(self, res: dict, row: dict, key=None) -> None:
         c = self.server.reset()

@@ -101,7 +101,8 @@ class LoadedModel:
     def summary(self) -> str:
         """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage as planned for
         the shards that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from
-        replicas, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`)."""
+        replicas, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`); with the backend, the
+        storage kind and the read shape (most requests in flight, their largest size)."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
         rchar = [s.rchar for s in self.stats]
@@ -109,10 +110,13 @@ class LoadedModel:
         read_needed = sum(s.bytes_needed for s in self.stats if not s.bytes_from_replica)
         reading = max((s.seconds for s in self.stats), default=0.0)
         replicas = f" x {self.plan.mesh.dp} replicas" if self.plan.mesh.dp > 1 else ""
+        shape = max(((s.in_flight, s.request_bytes) for s in self.stats), default=(0, 0))
+        storage = ",".join(sorted({s.storage for s in self.stats if s.storage})) or "storage"
+        shaped = f" ({storage}: {shape[0]} requests of up to {format_bytes(shape[1])} in flight)" if shape[0] else ""
         return (
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp}"
             f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''}{replicas} "
-            f"backend={','.join(sorted({s.backend for s in self.stats}))} on {len({i.node_id for i in self.group.ranks})} node(s): {format_bytes(needed)} "
+            f"backend={','.join(sorted({s.backend for s in self.stats}))}{shaped} on {len({i.node_id for i in self.group.ranks})} node(s): {format_bytes(needed)} "
             f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), planned {format_bytes(read)} from storage "
             f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas, "

@@ -18,9 +18,10 @@ from ..core.plans import Plan, check_same_layout
 from ..core.rules import RulesLike
 from ..core.schedule import NodeRead, group_by_node, node_schedule
 from ..errors import ConfigurationError, PeerFailedError, RankFailedError, first_line
-from ..io.backends import NODE_BACKENDS, backend_for, check_backend, node_read
+from ..io.backends import NODE_BACKENDS, check_backend, node_read, rank_reader
 from ..io.stats import ReadStats
 from ..planning import make_plan
+from ..storage import storage_for
 from .actor import RankLoader
 from .bundles import check_placeable, rank_bundles, stage_strategy
 from .group import Deadline, RankGroup, cause
@@ -110,16 +111,20 @@ class Load:
         first = plan.mesh.size // plan.mesh.dp
         ranks = self.group.ranks[:first]
         nodes = group_by_node([r.node_id for r in ranks])
-        readers = [rank_reader(self.options.reader, len(nodes.peers(r.rank)), r.device, plan.files) for r in ranks]
+        shaped = self._reader(plan)
+        readers = [rank_reader(shaped, len(nodes.peers(r.rank)), r.device, plan.files, plan.storage) for r in ranks]
         if any(r.backend in NODE_BACKENDS for r in readers):
-            stripe = self.options.reader.stripe_bytes
+            stripe = shaped.stripe_bytes
             plan = plan.model_copy(update={"nodes": tuple(node_schedule(plan, peers, node, stripe)
                                                           for node, peers in nodes.nodes.items())})
         load_id = uuid.uuid4().hex[:16]
         reads = self._node_reads(plan, readers, load_id)
         calls = [self._read_call(r, plan, readers[r], reads[r]) for r in range(first)]
         try:
-            return plan, self._wait_reads(calls, plan)
+            stats = self._wait_reads(calls, plan)
+            for s in stats:
+                s.storage = plan.storage.name if plan.storage else ""
+            return plan, stats
         except BaseException:
             # cooperative stripe readers that died never counted themselves done: the ranks alive remove the
             # node's ready map (from /dev/shm); best effort, a few seconds at most
@@ -127,6 +132,11 @@ class Load:
                 forgot = [a.forget_load.remote(load_id) for a in self.group.actors]
                 ray.wait(forgot, num_returns=len(forgot), timeout=5)
             raise
+
+    def _reader(self, plan: Plan) -> ReaderOptions:
+        """The reader options with the reads shaped for the storage the plan's files are on."""
+        reader = self.options.reader
+        return reader.shaped(storage_for(plan.root, reader.storage_options).cost_model(plan.root))
 
     def _node_reads(self, plan: Plan, readers: list[ReaderOptions], load_id: str) -> list:
         """Per rank, the NodeRead of its node (one per node, put in the object store once for all its ranks), or
@@ -212,7 +222,7 @@ class Load:
                     "from storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)),
                     plan.root)
         try:  # without a NodeRead each rank reads alone (`read_rank`: node backends read ranged)
-            stats = self.group.gather([self._read_call(r, plan, self.options.reader) for r in ranks], self.deadline,
+            stats = self.group.gather([self._read_call(r, plan, self._reader(plan)) for r in ranks], self.deadline,
                                       f"{self.what} from storage")
         except RankFailedError as e:
             cause = next(iter(e.failures.values()))
@@ -222,15 +232,6 @@ class Load:
                 f"({type(cause).__name__}: {first_line(cause)}): load "
                 "again from another live replica, or from storage once the checkpoint is reachable") from e
         return dict(zip(ranks, stats))
-
-
-def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = ()) -> ReaderOptions:
-    """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
-    sharing its node with other ranks must not use GDS."""
-    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files)})
-    if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
-        return reader.model_copy(update={"nogds": True})
-    return reader
 
 
 def source_rank(mesh: Mesh, coord: Coord, replicas: int) -> int:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import ConfigurationError
+from .costs import CostModel
 from .mesh import Mesh
 
 M = TypeVar("M", bound=BaseModel)
@@ -112,6 +113,16 @@ class ReaderOptions(BaseModel):
     #: Object storage: credentials, endpoint, client and retry settings (`raylazy.storage.objects`), over the
     #: environment's. Also used to plan. Kept out of reprs (it may hold secrets).
     storage_options: dict[str, str | bool | int | float] = Field(default_factory=dict, repr=False)
+
+    def shaped(self, costs: CostModel | None) -> ReaderOptions:
+        """These options with the reads shaped for a storage that costs `costs` (`Storage.cost_model`; None: a
+        local disk, nothing changed): as many reader threads as the storage serves requests at once, and windows
+        and stripes of the request size it serves well. Options given explicitly are kept."""
+        if costs is None:
+            return self
+        shape = {"threads": min(64, costs.concurrency), "chunk_bytes": max(4096, costs.part_bytes),
+                 "stripe_bytes": max(4096, costs.part_bytes)}
+        return self.model_copy(update={k: v for k, v in shape.items() if k not in self.model_fields_set})
 
 
 class PlacementOptions(BaseModel):

@@ -24,6 +24,10 @@ class LazyStats:
     processes), `read_seconds`."""
 
     backend: str = "ranged"
+    #: The storage kind read (`ReadStats.storage`) and the read shape: most requests in flight, their largest size.
+    storage: str = ""
+    in_flight: int = 0
+    request_bytes: int = 0
     node_processes: int = 1
     regions: int = 0
     bytes_needed: int = 0
@@ -45,13 +49,15 @@ class LazyStats:
         self.planned_requests += stats.requests
         self.received_bytes += stats.bytes_received
         self.read_seconds += stats.seconds
+        self.in_flight, self.request_bytes = max(self.in_flight, stats.in_flight), max(self.request_bytes, stats.request_bytes)
 
 
 def summary(rank: int, s: LazyStats, checkpoint_bytes: int, params: int, mode: str, why: str, rchar: int | None,
             seconds: float) -> str:
     """A worker's log line: words, then the numbers as key=value in brackets (`fields` reads them)."""
     node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""
-    numbers = {"rank": rank, "backend": s.backend, "mode": mode, "node_processes": s.node_processes,
+    numbers = {"rank": rank, "backend": s.backend, "storage": s.storage or "-", "in_flight": s.in_flight,
+               "request_bytes": s.request_bytes, "mode": mode, "node_processes": s.node_processes,
                "param_bytes": params, "bytes_needed": s.bytes_needed, "in_place_bytes": s.in_place_bytes,
                "checkpoint_bytes": checkpoint_bytes, "planned_bytes_read": s.planned_bytes_read,
                "planned_requests": s.planned_requests, "node_bytes": s.node_bytes, "received_bytes": s.received_bytes,

@@ -43,15 +43,16 @@ class RegionReader:
     read counted in `stats`."""
 
     def __init__(self, ckpt: Checkpoint, options: LazyOptions):
-        self.ckpt, self.options = ckpt, options
+        storage = storage_for(ckpt.root, options.reader.storage_options)
+        self.storage, costs = storage.kind(ckpt.root), storage.cost_model(ckpt.root)
+        self.ckpt, self.options = ckpt, options.model_copy(update={"reader": options.reader.shaped(costs)})
         self.files = tuple(map(FileRef.of, ckpt.files))
-        self.stats = LazyStats()
+        self.stats = LazyStats(storage=self.storage.name if self.storage else "")
         self._sources: dict[int, object] = {}
         self._open = ExitStack()  # the files opened, closed on leaving
         self._lock = threading.Lock()
         self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
-        self._gather = gathering(options.max_gap, None if options.max_gap is not None else
-                                 storage_for(ckpt.root, options.reader.storage_options).cost_model())
+        self._gather = gathering(options.max_gap, costs)
 
     def __enter__(self) -> RegionReader:
         return self
@@ -190,7 +191,7 @@ class Serving:
                    [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
         peers = group.all_gather(me)
         here = [i for i, p in enumerate(peers) if p.node == me.node]
-        backend = backend_for(requested, len(here), self.device, self.reads.files)
+        backend = backend_for(requested, len(here), self.device, self.reads.files, self.reads.storage)
         if backend != "exchange" or here[0] != group.rank:  # the node meets at its first process's server, if at all
             close_rendezvous(me.address)
         if backend not in NODE_BACKENDS:

@@ -1,5 +1,5 @@
 """The registry of rank readers (each backend's read function and the driver-side check of what it can read), the
-backend each rank uses, the `NodeRead` a node backend's ranks read together, and `read_rank`: one rank's plan
+backend and reader options each rank uses, the `NodeRead` a node backend's ranks read together, and `read_rank`: one rank's plan
 executed in any process with its backend."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..core.kinds import StorageKind
 from ..core.options import ReaderOptions
 from ..core.plans import FileRef, NodeSchedule, Plan, RankPlan
 from ..core.schedule import NodeRead
@@ -54,22 +55,33 @@ def check_backend(name: str, plans) -> None:
 NODE_BACKENDS = ("cooperative", "exchange")
 
 
-def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...]) -> str:
+def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...],
+                storage: StorageKind | None = None) -> str:
     """The backend a rank uses for the requested `name`, with `peers` ranks on its node (itself included) and
-    loading to `device`. "auto": a rank sharing its node reads cooperatively, through the page cache on the CPU
-    ("cooperative") or stripes exchanged over NCCL on a GPU ("exchange"); a rank alone on its node reads its own
-    ranges ("ranged": they are already exactly its pages). Files that are not local (object storage) have no
-    page cache to share: their node reads go through the exchange (each stripe fetched once per node, gloo on
-    CPUs), "cooperative" included."""
+    loading to `device`, the files on `storage`. "auto": a rank sharing its node reads cooperatively, through the
+    page cache on the CPU ("cooperative") or stripes exchanged over NCCL on a GPU ("exchange"); a rank alone on
+    its node reads its own ranges ("ranged": they are already exactly its pages). Files with no page cache to
+    share (object storage, a FUSE mount serving direct_io) are read by the node through the exchange (each stripe
+    fetched once per node, gloo on CPUs), "cooperative" included."""
     if name != "auto" and name not in NODE_BACKENDS:
         return name
     if name == "auto" and peers < 2:
         return "ranged"
-    if any(local_path(f.uri) is None for f in files):
+    if any(local_path(f.uri) is None for f in files) or (storage is not None and not storage.page_cache):
         return "exchange"
     if name == "auto":
         return "cooperative" if device == "cpu" else "exchange"
     return name
+
+
+def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = (),
+                storage: StorageKind | None = None) -> ReaderOptions:
+    """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
+    sharing its node with other ranks must not use GDS."""
+    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files, storage)})
+    if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
+        return reader.model_copy(update={"nogds": True})
+    return reader
 
 
 def node_read(backend: str, plan: Plan, schedule: NodeSchedule, load_id: str, address: str = "") -> NodeRead:

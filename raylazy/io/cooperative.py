@@ -113,6 +113,7 @@ def read_rank_cooperative(
     # kernel on the copies' page faults when there are none, whose requests are not the rank's own)
     stats.bytes_read = sum(sched.stripes[i].end - sched.stripes[i].start for i in mine)
     stats.requests = len(mine) if threads else 0
+    stats.in_flight, stats.request_bytes = threads, sched.stripe_bytes if threads else 0
     stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
     stats.staging_buffers = threads if not _POPULATE else 0  # populating the page cache stages nothing
     stats.staging_bytes = stats.staging_buffers * size

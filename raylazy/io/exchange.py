@@ -170,6 +170,7 @@ def read_rank_exchanged(
         if dev.type != "cpu":
             torch.cuda.synchronize(dev)
     stats.staging_buffers, stats.staging_bytes = depth, depth * size + steps.peak
+    stats.in_flight, stats.request_bytes = min(options.threads, depth), size
     stats.bytes_needed = counter.value
     meter.stop(stats)
     return shards_of(plan, buffers), stats

@@ -69,6 +69,7 @@ def read_rank_ranged(
     stats.bytes_needed = counter.value
     stats.bytes_read = sum(t.bytes_read for t in plan.tensors)
     stats.requests = sum(t.requests for t in plan.tensors)
+    stats.in_flight, stats.request_bytes = threads, schedule.window_bytes
     meter.stop(stats)
     return shards_of(plan, buffers), stats
 

@@ -49,6 +49,13 @@ class ReadStats:
     staging_bytes: int = 0
     #: Staging buffers alive at once (ranged to a GPU: windows; fastsafetensors: file batches).
     staging_buffers: int = 0
+    #: The kind of storage read (`raylazy.core.kinds.StorageKind.name`: "local", "nfs", "fuse", "object", ...), as
+    #: planned; "" where not known.
+    storage: str = ""
+    #: How the reads were shaped (`ReaderOptions.shaped`): the most read requests the reader keeps in flight (its
+    #: reading threads; 0 where the kernel reads on page faults) and the largest one it makes, in bytes.
+    in_flight: int = 0
+    request_bytes: int = 0
     #: GPUDirect Storage was used (fastsafetensors).
     gds: bool = False
     #: Why GPUDirect Storage was abandoned during this load ("" if it was not).

@@ -87,9 +87,10 @@ class Storage(ABC):
         (the caller opens and verifies the file)."""
         return None
 
-    def cost_model(self) -> CostModel | None:
-        """What reads cost here, for the planner's choice of reading row-split tensors whole or row by row; None:
-        a request costs little (local files: rows are read exactly)."""
+    def cost_model(self, uri: str) -> CostModel | None:
+        """What reads of `uri` cost, for the planner's choice of reading row-split tensors whole or row by row and
+        the readers' requests in flight and their size; None: a request costs little (a local disk: rows are read
+        exactly, the readers' defaults)."""
         return None
 
     def kind(self, uri: str) -> StorageKind | None:

@@ -8,6 +8,7 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.costs import CostModel, for_kind
 from ..core.kinds import StorageKind
 from ..errors import ConfigurationError
 from .base import NotAFileError, Source, Storage, local_path
@@ -119,6 +120,10 @@ class LocalStorage(Storage):
 
     def kind(self, uri: str) -> StorageKind:
         return storage_kind(local_path(uri))
+
+    def cost_model(self, uri: str) -> CostModel | None:
+        """A network file system's figures by its kind (`raylazy.core.costs.for_kind`); None on a local disk."""
+        return for_kind(self.kind(uri))
 
     def list(self, uri: str) -> list[str]:
         return os.listdir(local_path(uri))

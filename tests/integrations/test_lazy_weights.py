@@ -343,12 +343,14 @@ def test_view_is_torch_view(llama_dir):
 def test_log_line_numbers_read_back():
     """The worker's log line (what the vLLM tests and benchmarks read): every number `summary` writes, `fields`
     reads back as written, behind the log prefix vLLM puts before it; a line of another kind is None."""
-    stats = LazyStats(backend="cooperative", node_processes=2, bytes_needed=625920, in_place_bytes=4096,
+    stats = LazyStats(backend="cooperative", storage="nfs", in_flight=16, request_bytes=1 << 20, node_processes=2,
+                      bytes_needed=625920, in_place_bytes=4096,
                       planned_bytes_read=629216, planned_requests=7, batches=3, read_seconds=0.25, opaque_regions=1,
                       opaque_bytes=128, unplanned_regions=2, unplanned_bytes=64)
     line = summary(1, stats, 1251840, 1251840, "rerun", "a copy was read", None, 1.5)
     got = fields(f"(EngineCore pid=7) INFO 01-02 03:04:05 [vllm.py:115] {line}")
-    assert got == {"rank": 1, "backend": "cooperative", "mode": "rerun", "node_processes": 2, "param_bytes": 1251840,
+    assert got == {"rank": 1, "backend": "cooperative", "storage": "nfs", "in_flight": 16, "request_bytes": 1 << 20,
+                   "mode": "rerun", "node_processes": 2, "param_bytes": 1251840,
                    "bytes_needed": 625920, "in_place_bytes": 4096, "checkpoint_bytes": 1251840,
                    "planned_bytes_read": 629216, "planned_requests": 7, "node_bytes": 0, "received_bytes": 0,
                    "rchar": None, "batches": 3, "opaque_regions": 1, "opaque_bytes": 128, "whole_opaque": 0,

@@ -131,7 +131,9 @@ def check_node_reads(plan, node, results: dict, readers: int, was_cold: bool) ->
     if was_cold:
         pulled = sum(s["io"]["read_bytes"] for s in seen)
         files = {plan.files[st.file].uri for st in node.stripes}
-        assert len(union) * PAGE * 0.98 <= pulled <= sum(-(-os.path.getsize(f) // PAGE) * PAGE for f in files), (
+        # read_bytes is the whole process's: a page or two of code a rank touches first here count as well
+        slack = 16 * PAGE
+        assert len(union) * PAGE * 0.98 <= pulled <= sum(-(-os.path.getsize(f) // PAGE) * PAGE for f in files) + slack, (
             f"node {node.node} pulled {pulled} bytes from storage for a union of {len(union)} pages")
 
 

@@ -232,7 +232,7 @@ def test_gds_is_wanted_only_on_cuda_and_only_unless_nogds():
 
 
 def test_driver_turns_gds_off_for_ranks_sharing_a_node():
-    from raylazy.cluster.loading import rank_reader
+    from raylazy.io.backends import rank_reader
 
     fopts = fst_options()
     assert rank_reader(fopts, 2).nogds is True

@@ -238,10 +238,10 @@ def test_cost_model_is_measured_on_the_first_requests_unless_given(s3, s3_llama)
         open_checkpoint(s3_llama, options)
     finally:
         s3.first_byte_s = 0.0
-    cost = storage_for(s3_llama, options).cost_model()
+    cost = storage_for(s3_llama, options).cost_model(s3_llama)
     assert 0.05 <= cost.request_s < 0.5 and cost.concurrency == 7 and cost.bandwidth_bps == 0
     given = dict(options, request_latency=0.002, connection_bandwidth=5e6, bandwidth=1e9, request_rate=100)
-    cost = storage_for(s3_llama, given).cost_model()
+    cost = storage_for(s3_llama, given).cost_model(s3_llama)
     assert (cost.request_s, cost.connection_bps, cost.bandwidth_bps, cost.request_rate) == (0.002, 5e6, 1e9, 100)
     with pytest.raises(ConfigurationError, match="request_latency"):
         storage_for(s3_llama, dict(options, request_latency="soon"))
