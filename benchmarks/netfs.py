@@ -12,7 +12,8 @@ per request, and the two ways network storage meets the kernel's page cache:
 The server counts the read requests and bytes it served, per file and in all, and the most requests it was
 serving at once. Processes reach them through the mount itself: a control directory, `/.netfs/`, absent from
 listings, holds `stats` (JSON, read afresh on every open, never cached, never counted) and `control` (write a JSON
-object to change `latency_s` or `bandwidth_bps` while mounted, or `{"reset": true}` to zero the counts), so
+object to change `latency_s` or `bandwidth_bps` while mounted, `{"reset": true}` to zero the counts, or `{"fault":
+...}` to make reads stall, fail or come short: `NetFS.control`), so
 forked readers, Ray workers and the test process all see the same counts.
 
 The binding is mfusepy, the maintained fork of fusepy (ctypes bindings of libfuse's high-level API): it loads
@@ -136,6 +137,9 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
         def __init__(self):
             self.latency_s = latency_s
             self.bucket = TokenBucket(bandwidth_bps)
+            self.fault: dict = {}  # {"stall" | "short" | "fail": ..., "after_bytes": n}: see NetFS.control
+            self.answering = threading.Event()  # cleared while reads stall
+            self.answering.set()
             self.lock = threading.Lock()
             self.in_flight = 0
             self.reset()
@@ -215,6 +219,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             try:
                 if self.latency_s:
                     time.sleep(self.latency_s)
+                size = self._faulty(size)
                 data = os.pread(fi.fh, size, offset)
                 self.bucket.take(len(data))
             finally:
@@ -227,6 +232,18 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
                 f["requests"] += 1
                 f["bytes"] += len(data)
             return data
+
+        def _faulty(self, size: int) -> int:
+            """Apply the fault set (once `after_bytes` were served): stall until answering again, fail with an
+            errno, or serve half the bytes asked for (at least a page)."""
+            fault = self.fault
+            if not fault or self.counts["bytes"] < fault.get("after_bytes", 0):
+                return size
+            if fault.get("stall"):
+                self.answering.wait()
+            if fault.get("fail"):
+                raise mfusepy.FuseOSError(int(fault["fail"]))
+            return max(4096, size // 2) if fault.get("short") and size > 4096 else size
 
         def truncate(self, path, length, fh=None):
             if not path.startswith(CONTROL + "/"):
@@ -245,6 +262,9 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
                 self.bucket = TokenBucket(float(change["bandwidth_bps"]))
             if change.get("reset"):
                 self.reset()
+            if "fault" in change:
+                self.fault = dict(change["fault"] or {})
+                self.answering.clear() if self.fault.get("stall") else self.answering.set()
             return len(data)
 
         def release(self, path, fi):
@@ -330,9 +350,22 @@ class NetFS:
             return json.loads(f.read())
 
     def control(self, **change) -> None:
-        """Change `latency_s` or `bandwidth_bps` while mounted; `reset=True` zeroes the counts."""
+        """Change `latency_s` or `bandwidth_bps` while mounted; `reset=True` zeroes the counts; `fault={...}` makes
+        every read once `after_bytes` (default 0) were served stall until the fault is changed (`stall=True`),
+        fail with an errno (`fail=5`: EIO) or serve half the bytes asked for (`short=True`); `fault=None` clears it."""
         with open(self.path(CONTROL.lstrip("/"), "control"), "w") as f:
             f.write(json.dumps(change))
+
+    def abort(self) -> None:
+        """Abort the mount's FUSE connection (/sys/fs/fuse/connections/N/abort, N the mount's device number), as an
+        operator does with a hung network mount: every request waiting on it, and every later one, fails with
+        ENOTCONN. Needs the fusectl file system mounted there (`mount -t fusectl none /sys/fs/fuse/connections`,
+        as root: .ci/run does)."""
+        path = f"/sys/fs/fuse/connections/{os.minor(os.stat(self.mountpoint).st_dev)}/abort"
+        if not os.path.exists(path):
+            raise RuntimeError(f"no {path}: mount fusectl (mount -t fusectl none /sys/fs/fuse/connections, as root)")
+        with open(path, "w") as f:
+            f.write("1")
 
     def reset(self) -> None:
         self.control(reset=True)

@@ -88,10 +88,13 @@ def _barrier(prefix: str, rank: int, world: int) -> None:
 
 def _load(torch, loader: str, plan, rp, spec: dict):
     from raylazy.core.options import ReaderOptions
+    from raylazy.storage import storage_for
 
     from .loaders import impls
 
-    options = ReaderOptions(storage_options=spec["options"])
+    # shaped for the store as raylazy.load shapes them (its GETs in flight, its part size)
+    options = ReaderOptions(storage_options=spec["options"]).shaped(
+        storage_for(plan.root, spec["options"]).cost_model(plan.root))
     if loader == "get":
         _plain_get(plan, spec["options"], spec["get_bytes"])
         return None
@@ -149,12 +152,15 @@ class Bench:
         self.env, self.rows, self.digests = _env(server), [], {}
 
     def plan(self, tp: int, loader: str, nodes: bool = False):
+        from raylazy.core.options import ReaderOptions
         from raylazy.core.schedule import with_node_schedules
         from raylazy.planning import make_plan
+        from raylazy.storage import storage_for
 
         plan = make_plan(self.uri, tp, storage_options=self.options, max_gap=_GAPS.get(loader))
         if nodes:
-            plan = with_node_schedules(plan, ["node"] * tp)
+            stripe = ReaderOptions().shaped(storage_for(self.uri, self.options).cost_model(self.uri)).stripe_bytes
+            plan = with_node_schedules(plan, ["node"] * tp, stripe)
         path = os.path.join(self.out, f"plan-{loader}-tp{tp}{'-node' if nodes else ''}.json")
         with open(path, "w") as f:
             f.write(plan.to_json())

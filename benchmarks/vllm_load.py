@@ -15,7 +15,8 @@ weight-loading step as each worker logs it (vLLM's loaders: "Loading weights too
 `seconds`, the whole of its `load_weights`), the slowest worker's; runai_streamer logs none. "device read" and
 "mean request" are what /proc/diskstats saw the checkpoint's device read meanwhile (the node's reads from
 storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size.
-A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config. The table gives medians
+A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config, another format's
+(`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)` itself. The table gives medians
 (and the range) over the repetitions; every run's numbers go to stderr as JSON. The default checkpoint is the
 benchmark's 0.53 GB Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64), built on first use.
 """
@@ -62,8 +63,11 @@ def one(model: str, spec: str, tp: int) -> dict:
     fmt, extra = load_format(spec)
     before = proc_io()["read_bytes"]
     t0 = time.perf_counter()
-    llm = LLM(model=model, load_format=fmt, model_loader_extra_config=extra, tensor_parallel_size=tp,
-              dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1)
+    # raylazy's options are its loader's extra config; another format's are LLM's own (its load config's, e.g.
+    # auto:safetensors_load_strategy=prefetch)
+    options = {"model_loader_extra_config": extra} if fmt.startswith("raylazy") else extra
+    llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
+              skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1, **options)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     ready = time.perf_counter() - t0
     workers = [proc_io(p.pid)["read_bytes"] for p in psutil.Process().children(recursive=True)]

@@ -224,6 +224,10 @@ class ReadError(LoadError):
     """Reading planned bytes failed (I/O error, permission, file truncated)."""
 
 
+class StorageStallError(ReadError):
+    """A storage request got no answer within `request_timeout_s` (a stalled mount or store); the read was given up."""
+
+
 class PeerFailedError(LoadError):
     """Exchanging bytes with the other ranks of a node failed: a peer rank failed, died or did not answer in time."""
 

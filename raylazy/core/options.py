@@ -105,6 +105,9 @@ class ReaderOptions(BaseModel):
     #: cooperative with stripe readers: a keeper waiting this long with no stripe of its becoming ready fails (its
     #: reader died).
     stripe_timeout_s: float = Field(300.0, gt=0)
+    #: A storage request (a window, a stripe, a copy out of a mapping) not answered within this many seconds fails
+    #: the rank's read (StorageStallError naming the file and the storage kind), and the rank's other reads stop.
+    request_timeout_s: float = Field(120.0, gt=0)
     #: exchanged cooperative reads (raylazy.io.exchange): most bytes a rank stages (stripes read ahead,
     #: their device copy, one round's sends and receives); too small for a rank's stripes: ConfigurationError.
     staging_budget: int = Field(DEFAULT_STAGING_BUDGET, ge=4096)

@@ -14,6 +14,7 @@ from ..core.schedule import NodeRead
 from ..errors import ConfigurationError
 from ..storage import local_path
 from .stats import Progress, ReadStats
+from .watch import watched
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,15 @@ def read_rank(
     shards filled in place and returned as the same tensors (see `raylazy.io.buffers.shard_buffers`:
     BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
     bytes land. `sources` ({file index: Source}): files of the plan the caller opened and checked already
-    (`raylazy.storage.open_planned`), read as they are and left open. Raises on any failure; a shard of `out`
-    may then be partly overwritten.
+    (`raylazy.storage.open_planned`), read as they are and left open. The read runs on a thread of its own
+    (`raylazy.io.watch`): a storage request unanswered for `options.request_timeout_s` raises StorageStallError.
+    Raises on any failure; a shard of `out` may then be partly overwritten.
     """
     backend = options.backend if node_read is not None else solo_backend(options.backend)
     together = {k: v for k, v in (("node_read", node_read), ("exchange", exchange)) if v is not None}
-    return get_backend(backend).read(plan, device, options=options, on_progress=on_progress, out=out, sources=sources,
-                                     **together)
+    read = get_backend(backend).read
+    return watched(lambda: read(plan, device, options=options, on_progress=on_progress, out=out, sources=sources,
+                                **together), options.request_timeout_s)
 
 
 def _register_builtin() -> None:

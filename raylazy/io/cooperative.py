@@ -186,7 +186,7 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
                 return
             s = sched.stripes[i]
             source = sources[s.file]
-            with reading(source.uri, f"rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end})"):
+            with reading(source, f"rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end})"):
                 if not _populate(source, s, maps):
                     view = view or memoryview(bytearray(size))
                     source.readinto(s.start, [view[: s.end - s.start]])
@@ -229,10 +229,16 @@ def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, read
     import numpy as np
 
     maps = {f: _mapped(torch, s) for f, s in sources.items()}
+
+    def copy(k) -> None:  # a read in flight while it runs: its page faults may wait on storage
+        with reading(sources[k.part.read.file], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of "
+                                                 f"its mapping (bytes from {k.part.read.offset})"):
+            _copy_keep(buffers[k.tensor][0], maps[k.part.read.file], k.part)
+        counter.add(k.part.bytes_needed)
+
     if ready is None:  # the copies' page faults read the pages, each once for the node (the page cache)
         for k in keeps:
-            _copy_keep(buffers[k.tensor][0], maps[k.part.read.file], k.part)
-            counter.add(k.part.bytes_needed)
+            copy(k)
         return
     by_stripe: dict[int, list] = {}
     for k in keeps:
@@ -262,8 +268,7 @@ def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, read
             continue
         for i in now_ready.tolist():
             for k in by_stripe[i]:
-                _copy_keep(buffers[k.tensor][0], maps[k.part.read.file], k.part)
-                counter.add(k.part.bytes_needed)
+                copy(k)
         waiting = waiting[state != READY]
         deadline, pause = time.monotonic() + timeout_s, 0.0005
 

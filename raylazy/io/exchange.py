@@ -290,6 +290,6 @@ class _StripeReader:
         st = self.stripes[s]
         source = self.sources[st.file]
         n = min(st.end, source.size) - st.start
-        with reading(source.uri, f"reading stripe {s} (bytes {st.start}-{st.start + n})"):
+        with reading(source, f"reading stripe {s} (bytes {st.start}-{st.start + n})"):
             source.readinto(st.start, [memoryview(buf.numpy()).cast("B")[:n]])
         return buf[:n]

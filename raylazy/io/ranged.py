@@ -104,7 +104,7 @@ class _Reader:
                 self.sources[r.file].will_need(r.offset + first, r.offset + first + n)
         for r, first, n in job.parts:
             source = self.sources[r.file]
-            with reading(source.uri, f"reading tensor {name!r} at byte {r.offset}"):
+            with reading(source, f"reading tensor {name!r} at byte {r.offset}"):
                 if r.count == 1:
                     dst = r.dst_offset + first - job.start
                     source.readinto(r.offset + first, [buf[dst : dst + n]])

@@ -13,6 +13,7 @@ not a plain file (a directory, FIFO or device), `OSError` when it cannot open.
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class Source(ABC):
     #: Reads this source serves best at once (object storage: its requests in flight); the ranged reader keeps at
     #: least this many windows in flight.
     concurrency: int = 1
+    #: The kind of storage it is on, for error messages (None: not known).
+    kind: StorageKind | None = None
+    #: Set by `abort`: every read from then on fails.
+    aborted: bool = False
 
     @abstractmethod
     def read(self, offset: int, n: int) -> bytes:
@@ -54,6 +59,15 @@ class Source(ABC):
 
     def will_need(self, start: int, end: int) -> None:
         """Hint: bytes [start, end) will be read soon; start fetching them."""
+
+    def abort(self) -> None:
+        """Make every later read fail with ECANCELED (a load given up: its reader threads end instead of reading on;
+        a read blocked in the kernel ends when the storage answers)."""
+        self.aborted = True
+
+    def check_aborted(self) -> None:
+        if self.aborted:
+            raise OSError(errno.ECANCELED, "the load was given up (a read of it stalled or failed)", self.uri)
 
     @abstractmethod
     def close(self) -> None:

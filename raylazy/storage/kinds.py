@@ -178,10 +178,13 @@ def _probed(path: str) -> bool | None:
         os.close(fd)
 
 
-def storage_kind(path: str, mountinfo: str | None = None) -> StorageKind:
+def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None = None,
+                 resolve: bool = True) -> StorageKind:
     """The kind of storage `path` (a file or directory) is on; `mountinfo`: a mount table's text (default: this
-    process's)."""
-    path = os.path.realpath(path)
+    process's); `uncached`: whether a file there is served with direct_io, where known (else a FUSE mount's
+    file is probed); `resolve=False`: take the path as it is, without following its links (nothing on its mount
+    is then touched)."""
+    path = os.path.realpath(path) if resolve else path
     if mountinfo is None:
         try:
             with open("/proc/self/mountinfo") as f:
@@ -192,4 +195,5 @@ def storage_kind(path: str, mountinfo: str | None = None) -> StorageKind:
     if mount is None:  # no mount table (not Linux's /proc): the magic number, without a mount's options
         return kind_of(MAGIC.get(statfs_type(path) or 0, "unknown"))
     fuse = mount.fs_type == "fuse" or mount.fs_type.startswith("fuse.")
-    return kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, _probed(path) if fuse else None)
+    probed = (uncached if uncached is not None else _probed(path)) if fuse else None
+    return kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)

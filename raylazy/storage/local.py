@@ -28,10 +28,21 @@ class LocalSource(Source):
 
     def __init__(self, uri: str, fd: int, size: int, cached: bool = True):
         self.uri, self.fd, self.size, self.cached = uri, fd, size, cached
+        self._kind: StorageKind | None = None
+
+    @property
+    def kind(self) -> StorageKind:
+        """The storage kind, found when first asked (for an error message: a reader's process reads nothing but
+        the checkpoint otherwise) from the mount table alone, touching nothing on the mount (it may be stalled)."""
+        if self._kind is None:
+            self._kind = storage_kind(os.path.dirname(os.path.abspath(local_path(self.uri))), uncached=not self.cached,
+                                      resolve=False)
+        return self._kind
 
     def read(self, offset: int, n: int) -> bytes:
         chunks, got = [], 0
         while got < n:
+            self.check_aborted()
             chunk = os.pread(self.fd, n - got, offset + got)
             if not chunk:
                 break
@@ -44,6 +55,7 @@ class LocalSource(Source):
         the file raises EOFError."""
         bufs, i = list(buffers), 0
         while i < len(bufs):
+            self.check_aborted()
             got = os.preadv(self.fd, bufs[i : i + _IOV_MAX], offset)
             if got == 0:
                 raise EOFError(f"{sum(len(b) for b in bufs[i:])} bytes missing at offset {offset}")
@@ -58,6 +70,7 @@ class LocalSource(Source):
         """One preadv with RWF_NOWAIT: the bytes that were cached (0 if none, or if the kernel or file
         system does not support it, which then stops further tries in this process)."""
         global _NOWAIT
+        self.check_aborted()
         if not _NOWAIT:
             return 0
         try:

@@ -92,10 +92,12 @@ class ObjectSource(Source):
         self.storage, self.store, self.key = storage, store, key
         self.uri, self.size, self.version = uri, size, etag
         self.concurrency = storage.max_concurrency
+        self.kind = storage.kind(uri)
         #: The object's first bytes, fetched when it was opened (reads inside them cost no request).
         self.head = head
 
     def _get(self, start: int, end: int):
+        self.check_aborted()
         options: dict[str, Any] = {"range": (start, end)}
         if self.version:
             options["if_match"] = self.version

@@ -1,16 +1,21 @@
 """Planned checkpoint files opened for a reader: each checked to be the one planned (size, version tag, header
-digest) before a byte is taken from it, and storage failures while reading named as ReadErrors."""
+digest) before a byte is taken from it; the reads in flight, for a reader to tell a storage that stopped
+answering (`overdue`) and to stop its reads (`abort_reads`); storage failures while reading named as ReadErrors."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import threading
+import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core.header import MAX_HEADER_BYTES
 from ..core.plans import FileRef, RankPlan
-from ..errors import FileChangedError, ReadError
+from ..errors import FileChangedError, ReadError, StorageStallError
 from .base import NotAFileError, Source
 from .registry import storage_for
 
@@ -34,7 +39,7 @@ def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None
     storage = storage_for(ref.uri, storage_options)
     source = storage.reopen(ref.uri, ref.size, ref.version) if ref.version else None
     if source is not None:
-        return source
+        return _opened(source)
     try:
         source = storage.open(ref.uri)
     except NotAFileError:
@@ -52,17 +57,21 @@ def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None
             raise FileChangedError(f"{ref.uri}: the object's ETag is {source.version} but was {ref.version} when "
                                    "planned; it was replaced since planning: plan again")
         source.random_access()
-        prefix = source.read(0, 8)
-        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        head = prefix + source.read(8, n) if 0 <= n <= MAX_HEADER_BYTES else prefix
+        with reading(source, "checking its header"):
+            prefix = source.read(0, 8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            head = prefix + source.read(8, n) if 0 <= n <= MAX_HEADER_BYTES else prefix
         if hashlib.sha256(head).hexdigest() != ref.digest:
             raise FileChangedError(f"{ref.uri}: header differs from the one planned; the file was replaced: plan again")
-    except OSError as e:
-        source.close()
-        raise ReadError(f"{ref.uri}: cannot read header: {e.strerror}") from None
     except BaseException:
         source.close()
         raise
+    return _opened(source)
+
+
+def _opened(source: Source) -> Source:
+    with _LOCK:
+        _OPEN.add(source)
     return source
 
 
@@ -88,13 +97,69 @@ def open_planned_files(plan: RankPlan, files: Iterable[int], storage_options: Ma
             source.close()
 
 
+class Request(NamedTuple):
+    """A read in flight (`reading`): when it began (time.monotonic), from which source, what it reads."""
+
+    began: float
+    source: Source
+    what: str
+
+
+#: The reads in flight in this process, and every source open for a reader (`open_verified`), for `overdue` and
+#: `abort_reads`.
+_IN_FLIGHT: dict[int, Request] = {}
+_OPEN: weakref.WeakSet[Source] = weakref.WeakSet()
+_LOCK = threading.Lock()
+_KEYS = itertools.count()
+
+
 @contextmanager
-def reading(uri: str, what: str) -> Iterator[None]:
-    """A storage failure while reading `what` of `uri` (the Source contract: OSError, or EOFError for data that
-    ends early) as the ReadError every reader raises, naming the file and what was being read."""
+def reading(source: Source, what: str) -> Iterator[None]:
+    """A read of `what` from `source`, kept in this process's reads in flight while it runs (`overdue`), and a
+    storage failure meanwhile (the Source contract: OSError, or EOFError for data that ends early) as the
+    ReadError every reader raises, naming the file, the storage kind and what was being read."""
+    key = next(_KEYS)
+    with _LOCK:
+        _IN_FLIGHT[key] = Request(time.monotonic(), source, what)
     try:
+        source.check_aborted()
         yield
     except OSError as e:
-        raise ReadError(f"{uri}: {what}: {e.strerror or e}") from None
+        raise ReadError(f"{source.uri}{_on(source)}: {what}: {e.strerror or e}") from None
     except EOFError as e:
-        raise ReadError(f"{uri}: file ended early {what}: {e}; it was truncated since planning") from None
+        raise ReadError(f"{source.uri}{_on(source)}: file ended early {what}: {e}; it was truncated since planning") \
+            from None
+    finally:
+        with _LOCK:
+            del _IN_FLIGHT[key]
+
+
+def _on(source: Source) -> str:
+    return f" (on {source.kind.name} storage)" if source.kind else ""
+
+
+def overdue(timeout_s: float) -> Request | None:
+    """The oldest read in flight in this process that began more than `timeout_s` seconds ago, if any."""
+    now = time.monotonic()
+    with _LOCK:
+        late = [r for r in _IN_FLIGHT.values() if now - r.began > timeout_s]
+    return min(late, key=lambda r: r.began, default=None)
+
+
+def stall_error(request: Request, timeout_s: float) -> StorageStallError:
+    """The error of a load whose storage did not answer `request` within `timeout_s` seconds."""
+    kind = request.source.kind.describe() if request.source.kind else "storage of an unknown kind"
+    return StorageStallError(
+        f"{request.source.uri}: {request.what}: no answer from the storage in {time.monotonic() - request.began:.1f} "
+        f"s (request_timeout_s={timeout_s:g}; {kind}): the mount or the store stalled; nothing of this read was "
+        "returned; load again once the storage answers, or raise request_timeout_s for storage this slow")
+
+
+def abort_reads() -> None:
+    """Make every read of every source open for a reader in this process fail at once from now on (a read blocked
+    in the kernel ends when the storage answers, or when its mount is aborted): the threads of a load given up
+    end instead of reading on."""
+    with _LOCK:
+        sources = list(_OPEN)
+    for source in sources:
+        source.abort()

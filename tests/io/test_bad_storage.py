@@ -1,0 +1,123 @@
+"""Bad network storage, on the emulated mount's faults (`NetFS.control(fault=...)`): a mount that stops answering
+fails the read within the storage timeout with one StorageStallError naming the file and the storage kind, nothing
+returned, and once the mount answers again or is aborted no raylazy thread or mapping is left; reads that come
+short are completed; an error mid-load names the file and the storage kind."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import raylazy
+from raylazy.core.options import ReaderOptions
+from raylazy.core.schedule import node_schedule
+from raylazy.errors import RankFailedError, ReadError, StorageStallError
+from raylazy.io.backends import node_read, read_rank
+from tests.support.checkpoints import reference_tensors
+from tests.support.expected import expected_rank, model_config
+
+TIMEOUT_S = 1.0
+
+
+def leftovers(mountpoint: str) -> list[str]:
+    """raylazy's threads alive in this process, and its mappings of files under `mountpoint`."""
+    with open("/proc/self/maps") as f:
+        maps = [line.split()[-1] for line in f if mountpoint in line]
+    return [t.name for t in threading.enumerate() if t.name.startswith("raylazy")] + maps
+
+
+def gone_within(mountpoint: str, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while (left := leftovers(mountpoint)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def half_way(fs, plan) -> int:
+    """Bytes served once the ranks' header checks and about half their data have been (the fault's start)."""
+    return plan.bytes_needed // 2
+
+
+def abort_connection(fs) -> None:
+    """`NetFS.abort`, skipped (a failure where RAYLAZY_REQUIRE_FUSE=1, .ci/run) where fusectl is not mounted."""
+    try:
+        fs.abort()
+    except RuntimeError as e:
+        fs.control(fault=None)
+        if os.environ.get("RAYLAZY_REQUIRE_FUSE") == "1":
+            pytest.fail(f"RAYLAZY_REQUIRE_FUSE=1 but the mount cannot be aborted here: {e}")
+        pytest.skip(f"cannot abort a FUSE mount here: {e}")
+
+
+def read_one_rank(plan, backend: str):
+    options = ReaderOptions(backend=backend, request_timeout_s=TIMEOUT_S)
+    task = node_read(backend, plan, node_schedule(plan, [0]), f"stall{time.monotonic_ns()}") \
+        if backend == "cooperative" else None
+    return read_rank(plan.ranks[0], "cpu", options=options, node_read=task)
+
+
+@pytest.mark.parametrize("mode,backend,recover", [("direct", "ranged", "answer"), ("direct", "ranged", "abort"),
+                                                   ("cached", "cooperative", "answer")])
+def test_a_stalled_mount_fails_the_read_and_leaves_nothing_behind(netfs, llama_dir, mode, backend, recover):
+    fs = netfs(llama_dir, mode=mode, latency_s=0.001)
+    plan = raylazy.plan(fs.mountpoint, tp=1)
+    fs.reset()
+    fs.control(fault={"stall": True, "after_bytes": half_way(fs, plan)})
+    t0 = time.monotonic()
+    with pytest.raises(StorageStallError) as err:
+        read_one_rank(plan, backend)
+    waited = time.monotonic() - t0
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 2, waited
+    message = str(err.value)
+    assert fs.mountpoint in message and "fuse (fuse.raylazy-netfs" in message and "request_timeout_s=1" in message
+    assert leftovers(fs.mountpoint), "a read blocked on the stalled mount should still be waiting"
+    if recover == "answer":
+        fs.control(fault=None)
+    else:
+        abort_connection(fs)
+    assert not gone_within(fs.mountpoint, 5.0)
+
+
+def test_reads_that_come_short_are_completed(netfs, llama_dir):
+    """With direct_io every read the server answers short reaches the reader short: it reads on for the rest."""
+    fs = netfs(llama_dir, mode="direct", latency_s=0.0)
+    plan = raylazy.plan(fs.mountpoint, tp=2)
+    fs.control(fault={"short": True})
+    full, cfg = reference_tensors(llama_dir), model_config(llama_dir)
+    shards, _ = read_rank(plan.ranks[1], "cpu", options=ReaderOptions(backend="ranged"))
+    want = expected_rank(full, cfg, 1, 2)
+    assert shards.keys() == want.keys() and all(torch.equal(shards[n], t) for n, t in want.items())
+
+
+def test_an_error_mid_load_names_the_file_and_the_storage_kind(netfs, llama_dir):
+    fs = netfs(llama_dir, mode="direct", latency_s=0.0)
+    plan = raylazy.plan(fs.mountpoint, tp=1)
+    fs.reset()
+    fs.control(fault={"fail": 5, "after_bytes": half_way(fs, plan)})  # EIO
+    with pytest.raises(ReadError) as err:
+        read_one_rank(plan, "ranged")
+    assert not isinstance(err.value, StorageStallError)
+    assert fs.mountpoint in str(err.value) and "on fuse storage" in str(err.value), err.value
+    assert not gone_within(fs.mountpoint, 5.0)
+
+
+@pytest.mark.ray
+def test_a_load_from_a_stalled_mount_fails_as_one_error(netfs, llama_dir, ray_local):
+    """raylazy.load tp=2 from a mount that stalls mid-load: one RankFailedError, each rank's cause a
+    StorageStallError, within the storage timeout (not the load's); the load returns nothing."""
+    fs = netfs(llama_dir, mode="direct", latency_s=0.001)
+    plan = raylazy.plan(fs.mountpoint, tp=2)
+    fs.reset()
+    fs.control(fault={"stall": True, "after_bytes": plan.bytes_needed // 4})
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RankFailedError) as err:
+            raylazy.load(fs.mountpoint, 2, device="cpu", progress=False, request_timeout_s=TIMEOUT_S, timeout_s=120)
+    finally:
+        fs.control(fault=None)
+    assert time.monotonic() - t0 < 60
+    assert err.value.failures and all(isinstance(c, StorageStallError) for c in err.value.failures.values()), err.value
