@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import time
 
@@ -31,7 +32,10 @@ def resident_bytes(path: str) -> int:
     try:
         addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
         if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
+            err = ctypes.get_errno()
+            if err == errno.ENODEV:  # a FUSE file served with direct_io: the kernel keeps none of its pages
+                return 0
+            raise OSError(err, f"mmap {path}")
         try:
             pages = (size + PAGE - 1) // PAGE
             vec = (ctypes.c_ubyte * pages)()
