@@ -88,7 +88,7 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
 
     with PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"].mount(model_dir) as fs:
         plan = raylazy.plan(fs.mountpoint, tp=tp)
-        reader = rank_reader(ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root)), tp, "cpu",
+        reader = rank_reader(ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root, plan.storage)), tp, "cpu",
                              plan.files, plan.storage)
         plan = with_node_schedules(plan, ["node0"] * tp, reader.stripe_bytes if loader == "raylazy" else None)
         files = checkpoint_files(fs.mountpoint)

@@ -47,5 +47,6 @@ def make_plan(
     with gc_paused():  # the headers are most of the small objects too
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options)
         storage = storage_for(ckpt.root, storage_options)
-        plan = plan_checkpoint(ckpt, opts, rules, storage.cost_model(ckpt.root))
-        return plan.model_copy(update={"storage": storage.kind(ckpt.root)})
+        kind = storage.kind(ckpt.root)
+        plan = plan_checkpoint(ckpt, opts, rules, storage.cost_model(ckpt.root, kind))
+        return plan.model_copy(update={"storage": kind})

@@ -136,7 +136,7 @@ class Load:
     def _reader(self, plan: Plan) -> ReaderOptions:
         """The reader options with the reads shaped for the storage the plan's files are on."""
         reader = self.options.reader
-        return reader.shaped(storage_for(plan.root, reader.storage_options).cost_model(plan.root))
+        return reader.shaped(storage_for(plan.root, reader.storage_options).cost_model(plan.root, plan.storage))
 
     def _node_reads(self, plan: Plan, readers: list[ReaderOptions], load_id: str) -> list:
         """Per rank, the NodeRead of its node (one per node, put in the object store once for all its ranks), or

@@ -44,7 +44,8 @@ class RegionReader:
 
     def __init__(self, ckpt: Checkpoint, options: LazyOptions):
         storage = storage_for(ckpt.root, options.reader.storage_options)
-        self.storage, costs = storage.kind(ckpt.root), storage.cost_model(ckpt.root)
+        self.storage = storage.kind(ckpt.root)
+        costs = storage.cost_model(ckpt.root, self.storage)
         self.ckpt, self.options = ckpt, options.model_copy(update={"reader": options.reader.shaped(costs)})
         self.files = tuple(map(FileRef.of, ckpt.files))
         self.stats = LazyStats(storage=self.storage.name if self.storage else "")

@@ -101,10 +101,10 @@ class Storage(ABC):
         (the caller opens and verifies the file)."""
         return None
 
-    def cost_model(self, uri: str) -> CostModel | None:
+    def cost_model(self, uri: str, kind: StorageKind | None = None) -> CostModel | None:
         """What reads of `uri` cost, for the planner's choice of reading row-split tensors whole or row by row and
         the readers' requests in flight and their size; None: a request costs little (a local disk: rows are read
-        exactly, the readers' defaults)."""
+        exactly, the readers' defaults). `kind`: `uri`'s kind, where the caller has it already."""
         return None
 
     def kind(self, uri: str) -> StorageKind | None:

@@ -134,9 +134,9 @@ class LocalStorage(Storage):
     def kind(self, uri: str) -> StorageKind:
         return storage_kind(local_path(uri))
 
-    def cost_model(self, uri: str) -> CostModel | None:
+    def cost_model(self, uri: str, kind: StorageKind | None = None) -> CostModel | None:
         """A network file system's figures by its kind (`raylazy.core.costs.for_kind`); None on a local disk."""
-        return for_kind(self.kind(uri))
+        return for_kind(kind or self.kind(uri))
 
     def list(self, uri: str) -> list[str]:
         return os.listdir(local_path(uri))

@@ -260,7 +260,7 @@ class ObjectStorage(Storage):
         """Object storage: every read a request over the network, no page cache."""
         return StorageKind(name="object", fs_type=self.scheme, network=True, page_cache=False)
 
-    def cost_model(self, uri: str) -> CostModel:
+    def cost_model(self, uri: str, kind: StorageKind | None = None) -> CostModel:
         """Latency and per-connection bandwidth as given, else as measured on the first GETs, else the defaults."""
         with self._lock:
             samples = list(self._samples)
