@@ -14,7 +14,8 @@ actors) each. Wall-clock timestamps, in seconds from the `raylazy.load` call:
   entering `__init__` (worker booted, class unpickled), torch imported (`RankLoader.__init__`
   done), and its `load`.
 
-Variants: `default` (what `python -m benchmarks.loaders` does), `by-value` (the actor class
+Variants: `default` (a plain `ray.init`: a Ray started without raylazy's settings), `preload` (the workers import
+torch and raylazy's readers as they start, as in the local Ray `raylazy.load` starts itself), `by-value` (the actor class
 pickled by value, as the loaders benchmark does for clusters that cannot import `benchmarks`),
 `prestart` (tp idle workers started before the call by tp tasks that each hold a worker for 1 s, as
 long-lived inference workers would be), `hook` (`runtime_env={"worker_process_setup_hook": ...}` imports torch in
@@ -33,7 +34,7 @@ import time
 
 from raylazy.cluster.actor import RankLoader
 
-VARIANTS = ("default", "by-value", "prestart", "hook", "prestart+hook")
+VARIANTS = ("default", "preload", "by-value", "prestart", "hook", "prestart+hook")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -101,8 +102,11 @@ def child(variant: str, tps: list[int], runs: int, model_dir: str) -> None:
         cloudpickle.register_pickle_by_value(benchmarks)
     env = {"worker_process_setup_hook": "benchmarks.load_breakdown.import_torch"} if "hook" in variant else None
     t = time.time()
+    from raylazy.cluster.bundles import PRELOAD
+
+    preload = {"_system_config": {"preload_python_modules": list(PRELOAD)}} if variant == "preload" else {}
     ray.init(address="local", num_cpus=max(tps), include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING", runtime_env=env)
+             logging_level="WARNING", runtime_env=env, **preload)
     print(json.dumps({"variant": variant, "import_s": imported, "ray_init_s": time.time() - t}), flush=True)
     marks: dict = {}
     _timed(RankGroup, "create", marks, "create")

@@ -20,18 +20,22 @@ from .ray_internals import autoscaler_can_add_nodes
 
 #: GCS address of the local Ray that `ensure_ray` started in this process, if any.
 _started_gcs: str | None = None
+#: What every rank actor imports, imported by the workers of a Ray that raylazy starts as they start (Ray's
+#: `preload_python_modules`), so an actor's process has torch ready when it is asked to be a rank.
+PRELOAD = ("torch", "raylazy.io.backends")
 
 
 def ensure_ray() -> bool:
     """Use the Ray this process has initialised, else the cluster RAY_ADDRESS names, else start a local Ray of
-    our own (never joining a cluster by guessing). Returns True when the Ray in use is a local one that raylazy
-    started: its CPUs are then ours to share among the ranks."""
+    our own (never joining a cluster by guessing), whose workers import `PRELOAD` as they start. Returns True when
+    the Ray in use is a local one that raylazy started: its CPUs are then ours to share among the ranks."""
     global _started_gcs
     import ray
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or "local"
-        ray.init(address=address, logging_level=logging.WARNING)
+        starting = {"_system_config": {"preload_python_modules": list(PRELOAD)}} if address == "local" else {}
+        ray.init(address=address, logging_level=logging.WARNING, **starting)
         if address == "local":
             _started_gcs = ray.get_runtime_context().gcs_address
     return _started_gcs is not None and _started_gcs == ray.get_runtime_context().gcs_address

@@ -47,6 +47,9 @@ class LoadedModel:
     _refs: dict = field(default_factory=dict, repr=False)
     #: The rules the load planned with (reload plans with them too).
     rules: RulesLike | None = None
+    #: Seconds of the load's steps: start (placement asked, actors created), plan, ready (waiting for the ranks
+    #: after planning: they start while the driver plans), read, copy (replicas).
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def tp(self) -> int:
@@ -102,7 +105,8 @@ class LoadedModel:
         """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage as planned for
         the shards that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from
         replicas, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`); with the backend, the
-        storage kind and the read shape (most requests in flight, their largest size)."""
+        storage kind and the read shape (most requests in flight, their largest size), and the end-to-end time's
+        split into the load's `phases`."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
         rchar = [s.rchar for s in self.stats]
@@ -117,11 +121,14 @@ class LoadedModel:
             f"raylazy: loaded {os.path.basename(self.plan.root) or self.plan.root} tp={self.tp}"
             f"{f' pp={self.plan.mesh.pp}' if self.plan.mesh.pp > 1 else ''}{replicas} "
             f"backend={','.join(sorted({s.backend for s in self.stats}))}{shaped} on {len({i.node_id for i in self.group.ranks})} node(s): {format_bytes(needed)} "
-            f"in {self.seconds:.2f} s end to end, {reading:.2f} s reading "
+            f"in {self.seconds:.2f} s end to end{self._split()}, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), planned {format_bytes(read)} from storage "
             f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas, "
             f"read calls returned {'?' if None in rchar else format_bytes(sum(rchar))} (rchar)"
         )
+
+    def _split(self) -> str:
+        return f" ({', '.join(f'{k} {v:.2f}' for k, v in self.phases.items() if v >= 0.005)} s)" if self.phases else ""
 
     def reload(self, model_dir: str | os.PathLike, *, rules: RulesLike | None = None) -> LoadedModel:
         """Read another checkpoint of the same layout into the shards the ranks hold: the same actors, the same
@@ -141,8 +148,9 @@ class LoadedModel:
         t0 = time.perf_counter()
         rules = self.rules if rules is None else rules
         self._refs = {}
-        self.plan, self.stats = Load(self.group, self.options, held=self.plan).run(model_dir, rules)
-        self.rules, self.seconds = rules, time.perf_counter() - t0
+        job = Load(self.group, self.options, held=self.plan)
+        self.plan, self.stats = job.run(model_dir, rules)
+        self.rules, self.seconds, self.phases = rules, time.perf_counter() - t0, job.phases
         log.info("%s", self.summary())
         return self
 
@@ -186,8 +194,10 @@ def load(
     own_ray = ensure_ray()
     t0 = time.perf_counter()
     job = Load.start(opts, own_ray, actor_cls, actors)
+    started = time.perf_counter() - t0
     plan, stats = job.run(model_dir, rules, source)
-    loaded = LoadedModel(plan, opts, job.group, stats, time.perf_counter() - t0, rules=rules)
+    loaded = LoadedModel(plan, opts, job.group, stats, time.perf_counter() - t0, rules=rules,
+                         phases={"start": started, **job.phases})
     log.info("%s", loaded.summary())
     return loaded
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..core.mesh import Coord, Mesh
 from ..core.options import LoadOptions, ReaderOptions
@@ -39,6 +42,8 @@ class Load:
     def __init__(self, group: RankGroup, options: LoadOptions, held: Plan | None = None):
         self.group, self.options, self.held = group, options, held
         self.deadline: Deadline | None = None  # set once the ranks are placed
+        #: Seconds of each step `run` took: plan, ready (the ranks placed and started, after planning), read, copy.
+        self.phases: dict[str, float] = {}
 
     @property
     def what(self) -> str:
@@ -74,16 +79,28 @@ class Load:
         until the ranks are ready, read replica 0 from storage, copy the others; a failure releases the group of
         a new load (a reload keeps its ranks: those that did not fail hold the new checkpoint)."""
         try:
-            plan = self._plan(model_dir, rules, source)
-            self._ready()
+            with self._timed("plan"):
+                plan = self._plan(model_dir, rules, source)
+            with self._timed("ready"):
+                self._ready()
             read = []
             if source is None:
-                plan, read = self._read(plan)
-            return plan, self._copy(plan, read, source)
+                with self._timed("read"):
+                    plan, read = self._read(plan)
+            with self._timed("copy"):
+                return plan, self._copy(plan, read, source)
         except BaseException:
             if self.held is None:
                 self.group.release()
             raise
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] = time.perf_counter() - t0
 
     def _plan(self, model_dir, rules: RulesLike | None, source) -> Plan:
         """The plan, from headers, checked for the backend and a reload's layout (before any byte is written)."""

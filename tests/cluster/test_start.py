@@ -1,0 +1,49 @@
+"""A load's start: the Ray raylazy starts itself has its workers import torch and raylazy's readers as they start
+(`raylazy.cluster.bundles.PRELOAD`), and a load's end-to-end seconds split into its steps (`LoadedModel.phases`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import raylazy
+from tests.support import REPO
+
+#: Run in a process of its own (its own local Ray, started by raylazy): what a fresh worker has imported before
+#: running anything (the function is pickled by value: the worker imports nothing of this script's).
+PROBE = """
+import json, ray
+from raylazy.cluster.bundles import ensure_ray
+
+def imported():
+    import sys
+    return {m: m in sys.modules for m in ("torch", "raylazy.io.backends")}
+
+assert ensure_ray()
+print(json.dumps(ray.get(ray.remote(num_cpus=0)(imported).remote(), timeout=120)))
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_the_ray_raylazy_starts_has_torch_imported_in_its_workers():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch": True, "raylazy.io.backends": True}
+
+
+@pytest.mark.ray
+def test_a_load_says_where_its_time_went(llama_dir, ray_local):
+    with raylazy.load(llama_dir, 2, device="cpu", progress=False) as loaded:
+        phases = loaded.phases
+        assert list(phases) == ["start", "plan", "ready", "read", "copy"]
+        assert all(v >= 0 for v in phases.values())
+        assert 0.9 * loaded.seconds <= sum(phases.values()) <= loaded.seconds
+        assert phases["read"] >= max(s.seconds for s in loaded.stats)
+        assert f"read {phases['read']:.2f}" in loaded.summary()
