@@ -88,7 +88,10 @@ class Load:
                 with self._timed("read"):
                     plan, read = self._read(plan)
             with self._timed("copy"):
-                return plan, self._copy(plan, read, source)
+                stats = self._copy(plan, read, source)
+            for s in stats:  # every rank's reader read (or its source read) the plan's storage
+                s.storage = plan.storage.name if plan.storage else ""
+            return plan, stats
         except BaseException:
             if self.held is None:
                 self.group.release()
@@ -138,10 +141,7 @@ class Load:
         reads = self._node_reads(plan, readers, load_id)
         calls = [self._read_call(r, plan, readers[r], reads[r]) for r in range(first)]
         try:
-            stats = self._wait_reads(calls, plan)
-            for s in stats:
-                s.storage = plan.storage.name if plan.storage else ""
-            return plan, stats
+            return plan, self._wait_reads(calls, plan)
         except BaseException:
             # cooperative stripe readers that died never counted themselves done: the ranks alive remove the
             # node's ready map (from /dev/shm); best effort, a few seconds at most
@@ -239,7 +239,8 @@ class Load:
                     "from storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)),
                     plan.root)
         try:  # without a NodeRead each rank reads alone (`read_rank`: node backends read ranged)
-            stats = self.group.gather([self._read_call(r, plan, self._reader(plan)) for r in ranks], self.deadline,
+            reader = self._reader(plan)
+            stats = self.group.gather([self._read_call(r, plan, reader) for r in ranks], self.deadline,
                                       f"{self.what} from storage")
         except RankFailedError as e:
             cause = next(iter(e.failures.values()))
