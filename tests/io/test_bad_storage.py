@@ -110,9 +110,13 @@ def test_a_load_from_a_stalled_mount_fails_as_one_error(netfs, llama_dir, ray_lo
     """raylazy.load tp=2 from a mount that stalls mid-load: one RankFailedError, each rank's cause a
     StorageStallError, within the storage timeout (not the load's); the load returns nothing."""
     fs = netfs(llama_dir, mode="direct", latency_s=0.001)
-    plan = raylazy.plan(fs.mountpoint, tp=2)
     fs.reset()
-    fs.control(fault={"stall": True, "after_bytes": plan.bytes_needed // 4})
+    raylazy.plan(fs.mountpoint, tp=2)
+    planning = fs.stats()["bytes"]  # what the load's own planning reads again, before its ranks read
+    fs.reset()
+    # every read past the planning's stalls (the ranks' first, their header checks, included): a threshold inside
+    # the data would race the few requests this tiny checkpoint needs, all in flight before the count reaches it
+    fs.control(fault={"stall": True, "after_bytes": planning})
     t0 = time.monotonic()
     try:
         with pytest.raises(RankFailedError) as err:
