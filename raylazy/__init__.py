@@ -11,6 +11,8 @@ from .cluster.actor import RankMixin
 from .cluster.group import RankGroup
 from .cluster.loader import LoadedModel, load
 from .core.checkpoint import Checkpoint, ModelConfig
+from .core.estimate import Estimate, estimate
+from .core.hardware import Hardware
 from .core.header import FileHeader, TensorInfo
 from .core.mesh import Mesh
 from .core.placements import Expert, Fused, Heads, Placement, Replicated, Skip, Split
@@ -24,8 +26,8 @@ from .storage import open_checkpoint, read_header
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "Expert", "FileHeader", "Fused", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
+    "Checkpoint", "Estimate", "Expert", "FileHeader", "Fused", "Hardware", "Heads", "LoadedModel", "Mesh", "ModelConfig", "PRESETS", "Placement",
     "Plan", "RankFailedError", "RankGroup", "RankMixin", "RankPlan", "RaylazyError", "Read", "Replicated", "Rule", "Skip",
-    "Split", "TensorInfo", "TensorShard", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rank",
+    "Split", "TensorInfo", "TensorShard", "estimate", "format_bytes", "load", "open_checkpoint", "plan", "read_header", "read_rank",
     "read_rules",
 ]

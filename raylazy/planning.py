@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .core.checkpoint import Checkpoint
+from .core.costs import CostModel
 from .core.mesh import Mesh
 from .core.options import PlanOptions, validated
 from .core.placements import Uneven
@@ -31,6 +32,7 @@ def make_plan(
     uneven: Uneven = "error",
     max_gap: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    cost_model: CostModel | None = None,
 ) -> Plan:
     """Plan which bytes of which file every rank of `mesh` (or of `tp` x `pp` ranks) reads. Reads headers only.
 
@@ -40,7 +42,8 @@ def make_plan(
     prediction layers (DeepSeek-V3's layer 61) are skipped unless `keep_mtp`. `max_gap` None:
     0 for local files; on object storage each row-split read is fetched whole or row by row, whichever the
     storage's cost model (`raylazy.core.costs`: latency and bandwidth) estimates sooner.
-    `storage_options` configure object storage (see `raylazy.storage.objects`).
+    `storage_options` configure object storage (see `raylazy.storage.objects`). `cost_model`: plan for a storage of
+    these costs instead of the checkpoint's own (`raylazy plan --hardware` plans for the hardware's storage).
     """
     opts = validated(PlanOptions, tp=tp, pp=pp, mesh=mesh, pp_layers=pp_layers, expert_parallel=expert_parallel,
                      keep_mtp=keep_mtp, preset=preset, uneven=uneven, max_gap=max_gap)
@@ -48,5 +51,5 @@ def make_plan(
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options)
         storage = storage_for(ckpt.root, storage_options)
         kind = storage.kind(ckpt.root)
-        plan = plan_checkpoint(ckpt, opts, rules, storage.cost_model(ckpt.root, kind))
+        plan = plan_checkpoint(ckpt, opts, rules, cost_model or storage.cost_model(ckpt.root, kind))
         return plan.model_copy(update={"storage": kind})

@@ -162,6 +162,22 @@ class Keep(NamedTuple):
     part: Part
 
 
+def node_backend(name: str, peers: int, device: str, page_cache: bool) -> str:
+    """The backend a rank uses for the requested `name` with `peers` ranks on its node (itself included), loading to
+    `device`, its files on storage with or without a shared `page_cache`: "auto" is "ranged" alone on a node, else
+    the page cache shared ("cooperative") on the CPU, the exchange on a GPU or without a page cache to share (which
+    also turns "cooperative" into the exchange)."""
+    if name not in ("auto", "cooperative", "exchange"):
+        return name
+    if name == "auto" and peers < 2:
+        return "ranged"
+    if not page_cache:
+        return "exchange"
+    if name == "auto":
+        return "cooperative" if device == "cpu" else "exchange"
+    return name
+
+
 def with_node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0) -> Plan:
     """A copy of `plan` whose `nodes` hold one NodeSchedule per node, `node_ids[r]` being the node rank r runs on
     (see `node_schedule` for stripe_bytes and max_gap)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..core.kinds import StorageKind
 from ..core.options import ReaderOptions
 from ..core.plans import FileRef, NodeSchedule, Plan, RankPlan
-from ..core.schedule import NodeRead
+from ..core.schedule import NodeRead, node_backend
 from ..errors import ConfigurationError
 from ..storage import local_path
 from .stats import Progress, ReadStats
@@ -64,15 +64,8 @@ def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...],
     its node reads its own ranges ("ranged": they are already exactly its pages). Files with no page cache to
     share (object storage, a FUSE mount serving direct_io) are read by the node through the exchange (each stripe
     fetched once per node, gloo on CPUs), "cooperative" included."""
-    if name != "auto" and name not in NODE_BACKENDS:
-        return name
-    if name == "auto" and peers < 2:
-        return "ranged"
-    if any(local_path(f.uri) is None for f in files) or (storage is not None and not storage.page_cache):
-        return "exchange"
-    if name == "auto":
-        return "cooperative" if device == "cpu" else "exchange"
-    return name
+    page_cache = all(local_path(f.uri) is not None for f in files) and (storage is None or storage.page_cache)
+    return node_backend(name, peers, device, page_cache)
 
 
 def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = (),
