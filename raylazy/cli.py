@@ -20,6 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                    help="schedule cooperative reads for N ranks per node (default: all ranks on one node)")
     p.add_argument("--stripe-bytes", type=int, default=None, help="largest stripe a node's reader reads at once")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="spread the ranks evenly over N nodes (instead of --ranks-per-node)")
+    p.add_argument("--replicas", type=int, default=1, help="copies of the rank grid, as `raylazy load` (default 1)")
+    p.add_argument("--estimate", action="store_true", help="print the predicted load time on --hardware for "
+                   "raylazy, a naive loader and vLLM's default loader (raylazy.estimate: model output)")
+    p.add_argument("--hardware", default=None, metavar="FILE|PRESET", help="hardware description (JSON or YAML, "
+                   "see docs/estimate.md) or a preset: " + ", ".join(_preset_names()))
+    p.add_argument("--live-source", action="store_true",
+                   help="with --estimate: every rank copies from a live replica instead of reading storage")
 
     p = sub.add_parser("load", help="load a checkpoint on Ray, one actor per rank, and print the summary")
     p.add_argument("model_dir", nargs="?", help="model directory (default: generate a small Llama-shaped one)")
@@ -80,15 +89,24 @@ def _rules(args):
     return read_rules(args.rules) if args.rules else None
 
 
+def _preset_names() -> list[str]:
+    from .core.hardware import presets
+
+    return list(presets())
+
+
 def _plan(args) -> int:
+    from .core.planner import with_replicas
     from .core.schedule import with_node_schedules
     from .planning import make_plan
 
+    hardware = _hardware(args) if args.estimate or args.hardware else None  # a bad file fails before planning
     plan = make_plan(args.model_dir, args.tp, rules=_rules(args), **_mesh_args(args), preset=args.preset,
-                     uneven=args.uneven, max_gap=args.max_gap, storage_options=_storage_options(args))
-    per_node = args.ranks_per_node or len(plan.ranks)
-    if per_node < 1:
-        raise ConfigurationError(f"--ranks-per-node must be at least 1, got {per_node}")
+                     uneven=args.uneven, max_gap=args.max_gap, storage_options=_storage_options(args),
+                     cost_model=hardware.storage.cost_model() if hardware else None)
+    if args.replicas != 1:
+        plan = with_replicas(plan, args.replicas)
+    per_node = _ranks_per_node(args, len(plan.ranks))
     plan = with_node_schedules(plan, [f"node{r // per_node}" for r in range(len(plan.ranks))], args.stripe_bytes)
     if args.json == "-":
         print(plan.to_json())
@@ -98,7 +116,50 @@ def _plan(args) -> int:
         with open(args.json, "w") as fh:
             fh.write(plan.to_json())
         print(f"plan written to {args.json}")
+    if hardware is not None:
+        _print_estimates(plan, hardware, per_node, args)
     return 0
+
+
+def _ranks_per_node(args, ranks: int) -> int:
+    if args.nodes is not None and args.ranks_per_node is not None:
+        raise ConfigurationError("give --nodes or --ranks-per-node, not both")
+    if args.nodes is not None:
+        if args.nodes < 1 or ranks % args.nodes:
+            raise ConfigurationError(f"--nodes {args.nodes} must be at least 1 and divide the {ranks} ranks evenly")
+        return ranks // args.nodes
+    per_node = args.ranks_per_node or ranks
+    if per_node < 1:
+        raise ConfigurationError(f"--ranks-per-node must be at least 1, got {per_node}")
+    return per_node
+
+
+def _hardware(args):
+    import os
+
+    from .core.hardware import parse_hardware, preset
+
+    if not args.hardware:
+        raise ConfigurationError("--estimate needs --hardware FILE or a preset: " + ", ".join(_preset_names()))
+    if not os.path.exists(args.hardware):
+        return preset(args.hardware)
+    with open(args.hardware, encoding="utf-8") as fh:
+        return parse_hardware(fh.read(), args.hardware)
+
+
+def _print_estimates(plan, hardware, per_node: int, args) -> None:
+    from .core.estimate import LOADERS, estimate
+
+    for loader in LOADERS:
+        est = estimate(plan, hardware, loader=loader, ranks_per_node=per_node, live_source=args.live_source)
+        print()
+        print(est.summary())
+        if args.live_source:
+            break  # a copy from a live replica is the same for every loader
+    print()
+    print("assumptions:")
+    for line in est.assumptions:
+        print(f"  - {line}")
 
 
 def _load(args) -> int:

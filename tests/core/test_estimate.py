@@ -162,3 +162,18 @@ def test_every_loader_is_modelled_alike(ckpt):
     assert ests["raylazy"].phases["read"] < min(ests["naive"].phases["read"], ests["vllm"].phases["read"])
     assert ests["raylazy"].nodes[0].backend == "exchange"
 
+
+
+def test_the_plan_command_prints_the_estimates(ckpt, tmp_path, capsys):
+    from raylazy.cli import main
+
+    assert main(["plan", ckpt, "--tp", "4", "--nodes", "2", "--hardware", "nfs-cloud", "--estimate"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(" ")[1] for line in out.splitlines() if line.startswith("estimate (")] == ["(raylazy", "(naive",
+                                                                                                  "(vllm"]
+    assert "bottleneck: " in out and "storage.latency_s = 0.001 (NFSv4.1" in out
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({**preset("nfs-cloud").model_dump(), "storage": {"kind": "nfs"}}))
+    assert main(["plan", ckpt, "--tp", "2", "--hardware", str(bad), "--estimate"]) == 2
+    assert "bandwidth_bps" in capsys.readouterr().err
+    assert main(["plan", ckpt, "--tp", "4", "--nodes", "3", "--hardware", "nvme-node", "--estimate"]) == 2
