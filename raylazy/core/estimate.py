@@ -46,6 +46,8 @@ class NodeFigures:
     #: Bytes each rank exchanges with its node's other ranks (the larger of sent and received), and receives.
     exchange_bytes: tuple[int, ...] = ()
     received_bytes: tuple[int, ...] = ()
+    #: The exchange's rounds, one after another (each reader's stripes, in turn): one all-to-all each.
+    rounds: int = 0
     #: Bytes each rank moves host to device.
     device_bytes: tuple[int, ...] = ()
     #: Replica copies: bytes into this node's ranks from other nodes, out of its ranks to other nodes, within it.
@@ -146,8 +148,10 @@ def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader
             sent = [sum(k.part.bytes_needed for q in ranks if q != r for k in keeps[q] if reader[k.stripe] == r)
                     for r in ranks]
             mine = [sum(s.end - s.start for s in sched.stripes if s.reader == r) for r in ranks]
+            rounds = max(sum(1 for s in sched.stripes if s.reader == r) for r in ranks)
             return dict(backend=name, **_storage(spans, hw, seen), depth=min(st.connections, threads * len(ranks)),
                         copy_bytes=zero, exchange_bytes=tuple(map(max, got, sent)), received_bytes=tuple(got),
+                        rounds=rounds,
                         device_bytes=tuple(mine) if gpu else zero)
         return dict(backend=name, **_storage(spans, hw, seen), depth=min(st.connections, len(ranks)),
                     copy_bytes=tuple(shards), exchange_bytes=zero, device_bytes=tuple(shards) if gpu else zero)
@@ -348,11 +352,13 @@ def predict(fig: LoadFigures, hardware: Hardware | dict | str) -> Estimate:
         device = [b for n in host for b in n.device_bytes]
         copy_s = _spread(copies, node.memcpy_bps, cores)
         exchange_s = _spread(exchanged, node.gpu_link_bps, lanes)
+        if exchange_s:
+            exchange_s += max(n.rounds for n in host) * node.exchange_round_s
         device_s = _spread(device, node.host_to_device_bps, node.gpus)
         stages = {storage_bound: storage_s,
                   f"host memory copies ({format_bytes(sum(copies))} at {node.memcpy_bps / 1e9:.1f} GB/s a core)": copy_s,
                   f"the node's exchange ({format_bytes(max(exchanged, default=0))} a rank at "
-                  f"{node.gpu_link_bps / 1e9:.1f} GB/s)": exchange_s,
+                  f"{node.gpu_link_bps / 1e9:.1f} GB/s, {max(n.rounds for n in host):,} rounds)": exchange_s,
                   f"host to device ({format_bytes(max(device, default=0))} a GPU at "
                   f"{node.host_to_device_bps / 1e9:.1f} GB/s)": device_s}
         bound = max(stages, key=stages.get)

@@ -51,7 +51,8 @@ class StorageHardware(_Data):
 
 class NodeHardware(_Data):
     """One node: `gpus` (0: the ranks load to the CPU) and `cores`; `nic_bps` between nodes; `host_to_device_bps`
-    per GPU (PCIe); `gpu_link_bps` per GPU between the GPUs of the node (NVLink; on CPUs the exchange's gloo);
+    per GPU (PCIe); `gpu_link_bps` per GPU between the GPUs of the node (NVLink; on CPUs the exchange's gloo) and
+    `exchange_round_s` the fixed cost of one of the exchange's all-to-all rounds;
     `memcpy_bps` one core's copy rate in host memory (page cache to a shard)."""
 
     gpus: int = Field(ge=0)
@@ -59,6 +60,7 @@ class NodeHardware(_Data):
     nic_bps: float = Field(gt=0)
     host_to_device_bps: float = Field(gt=0)
     gpu_link_bps: float = Field(gt=0)
+    exchange_round_s: float = Field(0.0, ge=0)
     memcpy_bps: float = Field(gt=0)
 
 
