@@ -77,9 +77,10 @@ def _linear(name: str, shape: tuple[int, int], fp8: bool) -> list[tuple]:
     return [(name, shape, "F8_E4M3"), (name + "_scale_inv", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), "F32")]
 
 
-def _layer(n: int, fp8: bool, experts: int) -> list[tuple]:
-    """Decoder layer n's tensors: attention, then a dense MLP (the first layers) or routed and shared experts."""
-    c, p = CONFIG, f"model.layers.{n}."
+def _layer(n: int, fp8: bool, experts: int, c: dict = CONFIG) -> list[tuple]:
+    """Decoder layer n's tensors (of a model configured by `c`): attention, then a dense MLP (the first layers) or
+    routed and shared experts."""
+    p = f"model.layers.{n}."
     h, heads, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     mlp = lambda q, i: (_linear(q + "gate_proj.weight", (i, h), fp8) + _linear(q + "up_proj.weight", (i, h), fp8)  # noqa: E731
                         + _linear(q + "down_proj.weight", (h, i), fp8))
@@ -104,16 +105,17 @@ def _layer(n: int, fp8: bool, experts: int) -> list[tuple]:
 
 
 def tensor_specs(layers: int = CONFIG["num_hidden_layers"], experts: int = CONFIG["n_routed_experts"],
-                 layout: str = "fp8") -> list[tuple]:
-    """(name, shape[, dtype]) of every tensor, layer by layer; with the fp8 layout, the MTP layer after the last."""
-    c, fp8 = CONFIG, layout == "fp8"
+                 layout: str = "fp8", c: dict = CONFIG) -> list[tuple]:
+    """(name, shape[, dtype]) of every tensor of a model configured by `c`, layer by layer; with the fp8 layout, its
+    multi-token-prediction layers (DeepSeek-V3's one) after the last."""
+    fp8 = layout == "fp8"
     h, v = c["hidden_size"], c["vocab_size"]
     specs = [("model.embed_tokens.weight", (v, h))]
     for n in range(layers):
-        specs += _layer(n, fp8, experts)
-    if fp8:  # multi-token prediction: a MoE decoder layer with its own norms, projection, embeddings and head
-        p = f"model.layers.{layers}."
-        specs += _layer(layers, fp8, experts)
+        specs += _layer(n, fp8, experts, c)
+    if fp8 and c.get("num_nextn_predict_layers"):  # multi-token prediction: a MoE decoder layer with its own norms,
+        p = f"model.layers.{layers}."  # projection, embeddings and head
+        specs += _layer(layers, fp8, experts, c)
         specs += [(p + "embed_tokens.weight", (v, h)), (p + "enorm.weight", (h,)), (p + "hnorm.weight", (h,)),
                   (p + "eh_proj.weight", (h, 2 * h)), (p + "shared_head.norm.weight", (h,)),
                   (p + "shared_head.head.weight", (v, h))]

@@ -121,6 +121,8 @@ def test_replicas_copy_their_shards_over_the_nic(ckpt):
     assert fig.nodes[1].storage_bytes == 0
     live = figures(make_plan(ckpt, 1), hw(), live_source=True)
     assert (live.nodes[0].replica_in, live.nodes[0].storage_bytes) == (data, 0)
+    copied = predict(live, hw())  # the copy takes the live replica's plan: nothing planned, nothing read
+    assert (copied.phases["plan"], copied.phases["read"]) == (0.0, 0.0) and copied.phases["copy"] > 0
     same = figures(plan, hw(), ranks_per_node=2)
     assert same.nodes[0].replica_local == data
 
