@@ -199,7 +199,8 @@ def test_notebook_runs(tmp_path, monkeypatch):
     assert re.search(r"amplification \d+\.\d+x", text), text
     assert "raylazy: loaded" in text and "measured bytes read match the plan: True" in text, text
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 4                            # by-file bars, byte ranges, naive vs raylazy, stripes
+    assert len(images) == 5              # by-file bars, byte ranges, naive vs raylazy, stripes, predicted timeline
+    assert "estimate (raylazy on this machine (local); model output)" in text and "total: predicted" in text
     assert "node node: ranks 0,1 read" in text                        # the node schedule's summary line
 
 
