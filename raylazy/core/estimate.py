@@ -128,52 +128,49 @@ def figures(plan: Plan, hardware: Hardware | dict | str, *, loader: str = "rayla
 def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader: str, backend: str,
              seen: dict) -> dict:
     """The storage, copy, exchange and device figures of one node's reading ranks."""
-    st, gpu = hw.storage, hw.device != "cpu"
-    threads = min(64, st.connections) if st.network else LOCAL_THREADS
-    shards = [sum(t.nbytes for t in plan.ranks[r].tensors) for r in ranks]
+    st = hw.storage
+    name = node_backend(backend, len(ranks), hw.device, st.page_cache) if loader == "raylazy" else loader
+    shards = tuple(sum(t.nbytes for t in plan.ranks[r].tensors) for r in ranks)
     zero = tuple(0 for _ in ranks)
-    costs = CostModel(request_s=st.latency_s, connection_bps=st.connection_bps, part_bytes=st.request_bytes)
-    if loader == "raylazy":
-        name = node_backend(backend, len(ranks), hw.device, st.page_cache)
-    else:
-        name = loader
+    threads = min(64, st.connections) if st.network else LOCAL_THREADS
+    base = dict(backend=name, copy_bytes=zero, exchange_bytes=zero, device_bytes=shards if hw.node.gpus else zero,
+                depth=min(st.connections, threads * len(ranks)))
     if name in ("cooperative", "exchange"):
-        stripe = st.request_bytes if st.network else DEFAULT_STRIPE_BYTES
-        sched = node_schedule(plan, ranks, node, stripe)
-        spans = [(s.file, s.start, s.end) for s in sched.stripes]
-        keeps = {r: rank_keeps(plan, sched, r) for r in ranks}
-        if name == "exchange":
-            reader = {i: s.reader for i, s in enumerate(sched.stripes)}
-            got = [sum(k.part.bytes_needed for k in keeps[r] if reader[k.stripe] != r) for r in ranks]
-            sent = [sum(k.part.bytes_needed for q in ranks if q != r for k in keeps[q] if reader[k.stripe] == r)
-                    for r in ranks]
-            mine = [sum(s.end - s.start for s in sched.stripes if s.reader == r) for r in ranks]
-            rounds = max(sum(1 for s in sched.stripes if s.reader == r) for r in ranks)
-            return dict(backend=name, **_storage(spans, hw, seen), depth=min(st.connections, threads * len(ranks)),
-                        copy_bytes=zero, exchange_bytes=tuple(map(max, got, sent)), received_bytes=tuple(got),
-                        rounds=rounds,
-                        device_bytes=tuple(mine) if gpu else zero)
-        return dict(backend=name, **_storage(spans, hw, seen), depth=min(st.connections, len(ranks)),
-                    copy_bytes=tuple(shards), exchange_bytes=zero, device_bytes=tuple(shards) if gpu else zero)
-    if name == "vllm":  # every file whole, by every rank (safetensors' get_tensor of every tensor)
-        spans = [(i, 0, f.size) for i, f in enumerate(plan.files)] * len(ranks)
-        copies = tuple(sum(f.size for f in plan.files) for _ in ranks)
-        depth = len(ranks)
-    elif name == "naive":  # the whole tensors its shards come from, by every rank
-        spans = [(t.file, t.offset, t.offset + _full_bytes(t)) for r in ranks for t in plan.ranks[r].tensors]
-        copies = tuple(sum(_full_bytes(t) for t in plan.ranks[r].tensors) for r in ranks)
-        depth = len(ranks)
-    else:  # ranged (and fastsafetensors, modelled as ranged reads of the rank's ranges)
-        reads = [costs.read_cost(x) for r in ranks for t in plan.ranks[r].tensors for x in t.reads]
-        requests, nbytes = sum(c[0] for c in reads), sum(c[1] for c in reads)
-        if st.page_cache:  # the node's ranks share pages: the storage serves their union once
-            union = node_union(plan, ranks)
-            nbytes = _storage([(f, a, b) for f, s in union.items() for a, b in s], hw, seen)["storage_bytes"]
-        return dict(backend=name, storage_bytes=nbytes, requests=requests,
-                    depth=min(st.connections, threads * len(ranks)), copy_bytes=zero, exchange_bytes=zero,
-                    device_bytes=tuple(shards) if gpu else zero)
-    return dict(backend=name, **_storage(spans, hw, seen), depth=min(st.connections, depth),
-                copy_bytes=copies, exchange_bytes=zero, device_bytes=tuple(shards) if gpu else zero)
+        return base | _together(plan, hw, node, ranks, name, seen, shards)
+    if name in ("vllm", "naive"):  # one stream a rank: every file whole, or the whole tensors of its shards
+        spans = ([(i, 0, f.size) for i, f in enumerate(plan.files)] * len(ranks) if name == "vllm" else
+                 [(t.file, t.offset, t.offset + _full_bytes(t)) for r in ranks for t in plan.ranks[r].tensors])
+        copies = (tuple(sum(f.size for f in plan.files) for _ in ranks) if name == "vllm" else
+                  tuple(sum(_full_bytes(t) for t in plan.ranks[r].tensors) for r in ranks))
+        return base | _storage(spans, hw, seen) | dict(depth=min(st.connections, len(ranks)), copy_bytes=copies)
+    # ranged (and fastsafetensors, modelled as ranged reads of the rank's ranges)
+    costs = CostModel(request_s=st.latency_s, connection_bps=st.connection_bps, part_bytes=st.request_bytes)
+    reads = [costs.read_cost(x) for r in ranks for t in plan.ranks[r].tensors for x in t.reads]
+    nbytes = sum(c[1] for c in reads)
+    if st.page_cache:  # the node's ranks share pages: the storage serves their union once
+        union = node_union(plan, ranks)
+        nbytes = _storage([(f, a, b) for f, s in union.items() for a, b in s], hw, seen)["storage_bytes"]
+    return base | dict(storage_bytes=nbytes, requests=sum(c[0] for c in reads))
+
+
+def _together(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], name: str, seen: dict,
+              shards: tuple[int, ...]) -> dict:
+    """A node backend's figures: the node's union read once in stripes; cooperative ranks copy their shards out of
+    the page cache, exchanging ranks send each other what they keep of their stripes, round by round."""
+    stripe = hw.storage.request_bytes if hw.storage.network else DEFAULT_STRIPE_BYTES
+    sched = node_schedule(plan, ranks, node, stripe)
+    read = _storage([(s.file, s.start, s.end) for s in sched.stripes], hw, seen)
+    if name == "cooperative":  # one page-fault stream a rank
+        return read | dict(depth=min(hw.storage.connections, len(ranks)), copy_bytes=shards)
+    keeps = {r: rank_keeps(plan, sched, r) for r in ranks}
+    reader = [s.reader for s in sched.stripes]
+    got = tuple(sum(k.part.bytes_needed for k in keeps[r] if reader[k.stripe] != r) for r in ranks)
+    sent = [sum(k.part.bytes_needed for q in ranks if q != r for k in keeps[q] if reader[k.stripe] == r)
+            for r in ranks]
+    mine = tuple(sum(s.end - s.start for s in sched.stripes if s.reader == r) for r in ranks)
+    return read | dict(exchange_bytes=tuple(map(max, got, sent)), received_bytes=got,
+                       rounds=max(reader.count(r) for r in ranks),
+                       device_bytes=mine if hw.node.gpus else tuple(0 for _ in ranks))
 
 
 def _storage(spans: list[tuple[int, int, int]], hw: Hardware, seen: dict) -> dict:
