@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--estimate", action="store_true", help="print the predicted load time on --hardware for "
                    "raylazy, a naive loader and vLLM's default loader (raylazy.estimate: model output)")
     p.add_argument("--hardware", default=None, metavar="FILE|PRESET", help="hardware description (JSON or YAML, "
-                   "see docs/estimate.md) or a preset: " + ", ".join(_preset_names()))
+                   "see docs/estimate.md) or a preset: " + ", ".join(_preset_names()) + "; the plan is made for its "
+                   "storage")
     p.add_argument("--live-source", action="store_true",
                    help="with --estimate: every rank copies from a live replica instead of reading storage")
 
@@ -116,7 +117,7 @@ def _plan(args) -> int:
         with open(args.json, "w") as fh:
             fh.write(plan.to_json())
         print(f"plan written to {args.json}")
-    if hardware is not None:
+    if args.estimate:
         _print_estimates(plan, hardware, per_node, args)
     return 0
 
