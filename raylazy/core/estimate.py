@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from ..errors import ConfigurationError
 from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .hardware import Hardware, hardware_from
@@ -68,10 +69,6 @@ class LoadFigures:
     #: Whether replica 0 reads from storage (False: every rank copies from a live replica elsewhere).
     from_storage: bool = True
 
-    @property
-    def ranks(self) -> int:
-        return sum(len(n.ranks) for n in self.nodes)
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -92,9 +89,12 @@ def _full_bytes(t) -> int:
 def _node_ids(plan: Plan, hw: Hardware, node_ids: Sequence[str] | None, ranks_per_node: int | None) -> list[str]:
     if node_ids is not None:
         if len(node_ids) != len(plan.ranks):
-            raise ValueError(f"{len(node_ids)} node id(s) for {len(plan.ranks)} rank(s)")
+            raise ConfigurationError(f"{len(node_ids)} node id(s) for the plan's {len(plan.ranks)} rank(s): give one "
+                                     "per rank")
         return list(node_ids)
     per = ranks_per_node or hw.node.gpus or len(plan.ranks)
+    if per < 1:
+        raise ConfigurationError(f"ranks_per_node must be at least 1, got {per}")
     return [f"node{r // per}" for r in range(len(plan.ranks))]
 
 
@@ -106,7 +106,7 @@ def figures(plan: Plan, hardware: Hardware | dict | str, *, loader: str = "rayla
     storage and the others copy from it (`plan.mesh.dp`); `live_source`: every rank copies from a live replica on
     other nodes, reading nothing."""
     if loader not in LOADERS:
-        raise ValueError(f"unknown loader {loader!r}: one of {', '.join(LOADERS)}")
+        raise ConfigurationError(f"unknown loader {loader!r}: one of {', '.join(LOADERS)}")
     hw = hardware_from(hardware)
     ids = _node_ids(plan, hw, node_ids, ranks_per_node)
     nodes: dict[str, list[int]] = {}

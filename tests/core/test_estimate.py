@@ -155,6 +155,16 @@ def test_the_bottleneck_is_named(ckpt):
     assert any("no source" not in a and a.startswith("storage.bandwidth_bps") for a in quick.assumptions)
 
 
+def test_bad_input_is_named(ckpt):
+    plan = make_plan(ckpt, 2)
+    with pytest.raises(ConfigurationError, match="unknown loader 'fast'"):
+        estimate(plan, "nvme-node", loader="fast")
+    with pytest.raises(ConfigurationError, match="1 node id"):
+        figures(plan, "nvme-node", node_ids=["a"])
+    with pytest.raises(ConfigurationError, match="ranks_per_node"):
+        figures(plan, "nvme-node", ranks_per_node=-1)
+
+
 def test_every_loader_is_modelled_alike(ckpt):
     s3 = preset("s3-region")
     plan = make_plan(ckpt, 4, cost_model=s3.storage.cost_model())  # row-split reads gathered where S3 favours it
