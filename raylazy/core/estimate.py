@@ -333,7 +333,7 @@ def predict(fig: LoadFigures, hardware: Hardware | dict | str) -> Estimate:
     """Seconds per phase, per node, the critical path and the bottleneck of a load moving `fig` on `hardware`."""
     hw = hardware_from(hardware)
     c, node = hw.costs, hw.node
-    # a load copying a live replica takes its plan too (nothing is read from storage)
+    # a load copying a live replica takes that replica's plan: nothing is planned, nothing read from storage
     plan_s = (c.plan_s + fig.tensors * c.plan_tensor_s + c.plan_requests * fig.files * hw.storage.latency_s
               if fig.from_storage else 0.0)
     readers = sum(1 for n in fig.nodes if n.storage_bytes)
