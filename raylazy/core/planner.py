@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 from contextlib import contextmanager
+from functools import partial
 from itertools import repeat
 from typing import NamedTuple
 
@@ -119,18 +120,18 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
                     if holders is None:
                         found = p.placement.holders(t.shape, context(s, 0, name))
                         holders = known[name, s] = every if found is None else found
-                shared = cuts.get((id(p), t.shape, t.dtype, s)) if p.shape_only else None
-                if shared is None:
+                if p.shape_only:
+                    key = (id(p), t.shape, t.dtype, s)
+                    shared = cuts.get(key) or cuts.setdefault(key, [_UNCUT] * tp)
+                else:
                     shared = [_UNCUT] * tp
-                    if p.shape_only:
-                        cuts[id(p), t.shape, t.dtype, s] = shared
                 for k in holders:
                     c = shared[k]
                     if c is _UNCUT:
                         c = shared[k] = _cut(p, t, context(s, k, name), gather)
                     if c is None:
-                        whole = whole or TensorShard(t.name, fi, t.start, t.dtype, t.shape, t.shape, p.label, None,
-                                                     (), whole_reads(fi, t))
+                        whole = whole or _shard((t.name, fi, t.start, t.dtype, t.shape, t.shape, p.label, None, (),
+                                                 whole_reads(fi, t)))
                         lists[s][k].append(whole)
                     else:
                         lists[s][k].append(_moved(c, t.name, fi, t.start))
@@ -142,6 +143,8 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
 
 #: A rank's cut not asked of its placement yet (None: the rank takes the whole tensor).
 _UNCUT = object()
+#: A TensorShard from the tuple of its fields, made in C: most of a large plan's shards are whole tensors.
+_shard = partial(tuple.__new__, TensorShard)
 
 
 def _cut(p: Placed, t: TensorInfo, ctx: ShardContext, gather: Gather) -> TensorShard | None:
@@ -156,7 +159,7 @@ def _cut(p: Placed, t: TensorInfo, ctx: ShardContext, gather: Gather) -> TensorS
 def _moved(cut: TensorShard, name: str, fi: int, start: int) -> TensorShard:
     """`cut` (a shard of a tensor at byte 0 of file 0) as the shard of tensor `name` at byte `start` of file `fi`."""
     reads = tuple([Read(fi, start + offset, *rest) for _, offset, *rest in cut.reads])
-    return TensorShard(name, fi, start, *cut[3:9], reads)
+    return _shard((name, fi, start, *cut[3:9], reads))
 
 
 def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: tuple[Rule, ...],

@@ -17,13 +17,15 @@ import re
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from raylazy.core.boxes import gathering
 from raylazy.core.header import TensorInfo
 from raylazy.core.placements import Placement, ShardContext
 from raylazy.core.planner import tensor_shard
 from raylazy.core.quantization import Following
-from raylazy.core.rules import Rule, builtin_rules
+from raylazy.core.rules import _INDEX, Rule, _skeletons, builtin_rules
 from raylazy.core.stages import partition
 from raylazy.planning import make_plan
 from raylazy.storage import open_checkpoint
@@ -128,3 +130,10 @@ def test_a_placement_that_reads_names_is_asked_for_every_tensor(deepseek_dir):
     names = [t.name for t in plan.ranks[0].tensors if re.fullmatch(pattern, t.name)]
     assert len(names) == 2 * 256 * 3  # the MoE layers 3 and 4; the MTP layer is skipped
     assert Counter(seen) == {(n, k): 2 for n in names for k in range(2)}  # the weight, then its block scale
+
+
+@given(st.lists(st.text(alphabet="ab1٣.\n", max_size=10), max_size=6))
+def test_names_matched_together_have_the_skeletons_each_has_alone(names):
+    """Rules match a checkpoint's names by their skeletons, worked out in one pass over all the names joined: the
+    same as each name's own (index segments as `*`), whatever dots, digits and newlines the names hold."""
+    assert _skeletons(names) == [_INDEX.sub("*", n) for n in names]
