@@ -355,7 +355,7 @@ class Expert(Placement, type_name="expert"):
         if not ctx.expert_parallel or self.dim is not None:
             return None
         count = self.count(ctx)
-        return _owners(ctx.tp, count)[expert_index(ctx.name, count)]
+        return _holder(expert_index(ctx.name, count), ctx.tp, count)
 
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing | None:
         if not ctx.expert_parallel:
@@ -403,10 +403,10 @@ def expert_owner(expert: int, ranks: int, experts: int) -> int:
     return expert // (base + 1) if expert < big else extra + (expert - big) // base
 
 
-@functools.cache
-def _owners(ranks: int, experts: int) -> tuple[tuple[int], ...]:
-    """Each expert's holders as `Expert.holders` gives them: (its `expert_owner`,)."""
-    return tuple((expert_owner(e, ranks, experts),) for e in range(experts))
+@functools.lru_cache(maxsize=4096)
+def _holder(expert: int, ranks: int, experts: int) -> tuple[int]:
+    """`Expert.holders`' answer for `expert` of `experts` over `ranks`: (its `expert_owner`,), made once."""
+    return (expert_owner(expert, ranks, experts),)
 
 
 def _norm_dim(dim: int, shape: tuple[int, ...]) -> int:
