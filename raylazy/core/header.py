@@ -19,9 +19,10 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain, repeat
 from math import prod
-from operator import add, attrgetter, floordiv, itemgetter, mod, mul, ne, sub
+from operator import add, attrgetter, itemgetter, ne, sub
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -170,7 +171,8 @@ _BITS = dict(DTYPE_BITS)
 def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
     """The tensors of a header whose every entry is the common one, checked field by field over all entries at
     once: exactly dtype, shape and data_offsets, a known dtype, dims and offsets integers in [0, 2**64) with no
-    empty dim, whole bytes that fill the offsets. None when any entry is not (`_check_entry` then finds it)."""
+    empty dim, whole bytes that fill the offsets. None when any entry is not (`_check_entry` then finds it).
+    Sizes are worked out once per distinct (shape, dtype): a file's hundreds of tensors have a few dozen."""
     entries = {k: v for k, v in root.items() if k != "__metadata__"}
     values = list(entries.values())
     if not values:
@@ -183,18 +185,29 @@ def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
             return None
     except (KeyError, TypeError):  # a field missing, or one that is unhashable where a dtype should be
         return None
-    dims = list(chain.from_iterable(shapes))
-    if set(map(len, offsets)) != {2} or (dims and not _u64s(dims, 1)):  # no 0 dim: no overflow past an empty one
+    shapes = list(map(tuple, shapes))
+    if not set(map(type, chain.from_iterable(shapes))) <= {int} or set(map(len, offsets)) != {2}:
         return None
+    kinds = set(zip(shapes, dtypes))  # hashable now: every dim is an int
+    nbytes = {kind: _whole_bytes(*kind) for kind in kinds}
     begins, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
-    if not _u64s(begins, 0) or not _u64s(ends, 0):
-        return None
-    bits = list(map(mul, map(prod, shapes), map(_BITS.__getitem__, dtypes)))
-    eight = repeat(8)
-    if max(bits) >= _U64 or any(map(mod, bits, eight)) or any(map(ne, map(floordiv, bits, eight), map(sub, ends, begins))):
+    if None in nbytes.values() or not _u64s(begins, 0) or not _u64s(ends, 0) \
+            or any(map(ne, map(nbytes.__getitem__, zip(shapes, dtypes)), map(sub, ends, begins))):
         return None
     at = repeat(data_start)
-    return list(map(TensorInfo, entries, dtypes, map(tuple, shapes), map(add, begins, at), map(add, ends, at)))
+    return list(map(_new_info, zip(entries, dtypes, shapes, map(add, begins, at), map(add, ends, at))))
+
+
+#: A TensorInfo from its fields' tuple, made in C (`map` calls it once per tensor).
+_new_info = partial(tuple.__new__, TensorInfo)
+
+
+def _whole_bytes(shape: tuple[int, ...], dtype: str) -> int | None:
+    """The bytes of a tensor of `shape` (no dim 0 or past 2**64) and `dtype`, whole and under 2**64; else None."""
+    if not all(0 < d < _U64 for d in shape):
+        return None
+    bits = prod(shape) * _BITS[dtype]
+    return bits // 8 if bits < _U64 and not bits % 8 else None
 
 
 def _u64s(values: list, low: int) -> bool:

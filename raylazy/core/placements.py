@@ -104,6 +104,12 @@ class Placement(ABC):
         Asked once per tensor and stage: `ctx` is that of the stage's first rank."""
         return None
 
+    def shape_only(self) -> bool:
+        """Whether `slicing` answers from the tensor's shape and the rank alone, never from `ctx.name`: the planner
+        then asks once per shape, dtype, stage and rank, and gives every tensor alike (a model's layers and
+        experts) that answer. False unless a placement says so."""
+        return False
+
     def fused_units(self, ctx: ShardContext) -> int | None:
         """As a part of `Fused`: its size along the fused dim in units (e.g. heads); None: an equal share."""
         return None
@@ -175,6 +181,9 @@ class Replicated(Placement, type_name="replicated"):
     def describe(self) -> str:
         return "replicated"
 
+    def shape_only(self) -> bool:
+        return True
+
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> None:
         return None
 
@@ -208,6 +217,9 @@ class Split(Placement, type_name="split"):
 
     def describe(self) -> str:
         return f"split(dim={self.dim})"
+
+    def shape_only(self) -> bool:
+        return True
 
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing:
         dim = _norm_dim(self.dim, shape)
@@ -244,6 +256,9 @@ class Heads(Placement, type_name="heads"):
 
     def fused_units(self, ctx: ShardContext) -> int:
         return self.count(ctx)
+
+    def shape_only(self) -> bool:
+        return True
 
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing:
         dim, heads, tp = _norm_dim(self.dim, shape), self.count(ctx), ctx.tp
@@ -282,6 +297,9 @@ class Fused(Placement, type_name="fused"):
 
     def describe(self) -> str:
         return "fused(" + ", ".join(p.describe() for p in self.parts) + f"; dim={self.dim})"
+
+    def shape_only(self) -> bool:
+        return all(p.shape_only() for p in self.parts)
 
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing:
         dim = _norm_dim(self.dim, shape)
@@ -330,11 +348,14 @@ class Expert(Placement, type_name="expert"):
         inner = self.placement.describe()
         return f"expert({inner})" if self.dim is None else f"expert({inner}; dim={self.dim})"
 
+    def shape_only(self) -> bool:  # `holders` reads the name; `slicing` does not
+        return self.placement.shape_only()
+
     def holders(self, shape: tuple[int, ...], ctx: ShardContext) -> tuple[int, ...] | None:
         if not ctx.expert_parallel or self.dim is not None:
             return None
         count = self.count(ctx)
-        return (expert_owner(expert_index(ctx.name, count), ctx.tp, count),)
+        return _holder(expert_index(ctx.name, count), ctx.tp, count)
 
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing | None:
         if not ctx.expert_parallel:
@@ -380,6 +401,12 @@ def expert_owner(expert: int, ranks: int, experts: int) -> int:
     base, extra = divmod(experts, ranks)
     big = extra * (base + 1)  # experts held by the first `extra` ranks, one more each
     return expert // (base + 1) if expert < big else extra + (expert - big) // base
+
+
+@functools.lru_cache(maxsize=4096)
+def _holder(expert: int, ranks: int, experts: int) -> tuple[int]:
+    """`Expert.holders`' answer for `expert` of `experts` over `ranks`: (its `expert_owner`,), made once."""
+    return (expert_owner(expert, ranks, experts),)
 
 
 def _norm_dim(dim: int, shape: tuple[int, ...]) -> int:

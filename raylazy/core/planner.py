@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import re
 from contextlib import contextmanager
+from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 from ..errors import (
@@ -21,21 +23,22 @@ from .header import TensorInfo
 from .mesh import Mesh
 from .options import PlanOptions
 from .placements import Placement, ShardContext, Slicing
-from .plans import FileRef, Plan, RankPlan, TensorShard
+from .plans import FileRef, Plan, RankPlan, Read, TensorShard
 from .quantization import Following
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
 from .stages import layer_index, partition, tensor_stages
 
 
 class Placed(NamedTuple):
-    """How tensors are placed: the placement, the label plans show, the pattern of the rule that chose it, and
-    whether the placement says which ranks hold a tensor (`Placement.holders`; else all of them). Shared by every
-    tensor the same rule places the same way."""
+    """How tensors are placed: the placement, the label plans show, the pattern of the rule that chose it,
+    whether the placement says which ranks hold a tensor (`Placement.holders`; else all of them), and whether it
+    slices by shape alone (`Placement.shape_only`). Shared by every tensor the same rule places the same way."""
 
     placement: Placement
     label: str
     pattern: str
     holders: bool
+    shape_only: bool
 
 
 @contextmanager
@@ -69,9 +72,9 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, cost: Co
     mesh = opts.mesh
     all_rules = resolve_rules(ckpt.config.model_type, rules, opts.preset)
     tensors = list(ckpt.tensors())
-    placed, weights, skipped = _placements(ckpt, tensors, all_rules, opts)
-    stages = _stages(ckpt, opts, all_rules, placed, weights)
-    per_rank = _shards(ckpt, tensors, placed, weights, stages, opts, cost)
+    placed, held, skipped = _placements(ckpt, tensors, all_rules, opts)
+    stages = _stages(ckpt, opts, all_rules, tensors, placed, held)
+    per_rank = _shards(ckpt, tensors, placed, held, stages, opts, cost)
     files = tuple(map(FileRef.of, ckpt.files))
     plan = Plan(
         root=ckpt.root,
@@ -87,52 +90,82 @@ def _plan(ckpt: Checkpoint, rules: RulesLike | None, opts: PlanOptions, cost: Co
     return with_replicas(plan, mesh.dp)
 
 
-def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: dict[str, Placed],
-            weights: dict[str, str], stages: dict[str, tuple[int, ...]], opts: PlanOptions,
+def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: list[Placed | None], held: list[str],
+            stages: list[tuple[int, ...] | None] | None, opts: PlanOptions,
             cost: CostModel | None) -> list[list[TensorShard]]:
-    """Every rank's shards (of one replica: the others are copies), in file order. The tp ranks of a stage that
+    """Every rank's shards (of one replica: the others are copies), in file order, from each tensor's placement,
+    the name it is placed by and its stages (`_placements`, `_stages`; None: one stage). The tp ranks of a stage that
     hold a tensor are asked of its placement once (`holders`), then each is sliced. A companion's placement sees
     its weight's name, and is held by the ranks that hold its weight (asked once for the weight and all its
-    companions)."""
+    companions). A placement that slices by shape alone (`Placement.shape_only`) is asked once per shape,
+    dtype, stage and rank: the layers and experts alike share its cut, moved to each tensor's bytes."""
     mesh, cfg = opts.mesh, ckpt.config
-    tp, ep, uneven, gather = mesh.tp, opts.expert_parallel, opts.uneven, gathering(opts.max_gap, cost)
-    heads, kv, experts = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+    tp, gather = mesh.tp, gathering(opts.max_gap, cost)
     per_rank: list[list[TensorShard]] = [[] for _ in range(mesh.size // mesh.dp)]
     ranks = [[mesh.rank(pp=s, tp=k) for k in range(tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     coords = [[mesh.coords(r) for r in stage] for stage in ranks]
+    context = lambda s, k, name: ShardContext(k, tp, cfg.num_attention_heads, cfg.num_key_value_heads,  # noqa: E731
+                                              opts.uneven, name, coords[s][k], opts.expert_parallel, cfg.num_experts)
     lists = [[per_rank[r] for r in stage] for stage in ranks]
-    every, known = tuple(range(tp)), {}  # known: (weight, stage) -> holders
-    for fi, t in tensors:
-        p = placed.get(t.name)
+    every, known, cuts = tuple(range(tp)), {}, {}  # known: (weight, stage) -> holders; cuts: shape-only cuts
+    for (fi, t), p, name, held_by in zip(tensors, placed, held, stages or repeat((0,))):
         if p is None:
             continue
-        placement, name, whole = p.placement, weights.get(t.name, t.name), None  # whole: shared by all ranks
+        whole = None  # the shard of all of it, shared by all ranks
         try:
-            for s in stages.get(t.name, (0,)):
-                holders = None
+            for s in held_by:
+                holders = every
                 if p.holders:  # a placement that may leave ranks out
-                    holders = known.get((name, s), known)
-                    if holders is known:
-                        ctx = ShardContext(0, tp, heads, kv, uneven, name, coords[s][0], ep, experts)
-                        holders = known[name, s] = placement.holders(t.shape, ctx)
-                for k in every if holders is None else holders:
-                    slicing = placement.slicing(t.shape, ShardContext(k, tp, heads, kv, uneven, name, coords[s][k], ep,
-                                                                      experts))
-                    if slicing is not None:
-                        lists[s][k].append(tensor_shard(fi, t, p.label, slicing, gather))
-                        continue
-                    whole = whole or tensor_shard(fi, t, p.label, None, gather)
-                    lists[s][k].append(whole)
+                    holders = known.get((name, s))
+                    if holders is None:
+                        found = p.placement.holders(t.shape, context(s, 0, name))
+                        holders = known[name, s] = every if found is None else found
+                if p.shape_only:
+                    key = (id(p), t.shape, t.dtype, s)
+                    shared = cuts.get(key) or cuts.setdefault(key, [_UNCUT] * tp)
+                else:
+                    shared = [_UNCUT] * tp
+                for k in holders:
+                    c = shared[k]
+                    if c is _UNCUT:
+                        c = shared[k] = _cut(p, t, context(s, k, name), gather)
+                    if c is None:
+                        whole = whole or _shard((t.name, fi, t.start, t.dtype, t.shape, t.shape, p.label, None, (),
+                                                 whole_reads(fi, t)))
+                        lists[s][k].append(whole)
+                    else:
+                        lists[s][k].append(_moved(c, t.name, fi, t.start))
         except ShardingError as e:
             raise type(e)(f"{ckpt.files[fi].path}: tensor {t.name!r} {list(t.shape)} "
                           f"({p.label}, rule {p.pattern!r}): {e}") from None
     return per_rank
 
 
+#: A rank's cut not asked of its placement yet (None: the rank takes the whole tensor).
+_UNCUT = object()
+#: A TensorShard from the tuple of its fields, made in C: most of a large plan's shards are whole tensors.
+_shard = partial(tuple.__new__, TensorShard)
+
+
+def _cut(p: Placed, t: TensorInfo, ctx: ShardContext, gather: Gather) -> TensorShard | None:
+    """The shard rank `ctx` gets of tensor `t` as if it began at byte 0 of file 0 (`_moved` puts it in place), or
+    None when the rank takes all of it."""
+    slicing = p.placement.slicing(t.shape, ctx)
+    if slicing is None:
+        return None
+    return tensor_shard(0, t._replace(start=0, end=t.end - t.start), p.label, slicing, gather)
+
+
+def _moved(cut: TensorShard, name: str, fi: int, start: int) -> TensorShard:
+    """`cut` (a shard of a tensor at byte 0 of file 0) as the shard of tensor `name` at byte `start` of file `fi`."""
+    reads = tuple([Read(fi, start + offset, *rest) for _, offset, *rest in cut.reads])
+    return _shard((name, fi, start, *cut[3:9], reads))
+
+
 def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: tuple[Rule, ...],
-                opts: PlanOptions) -> tuple[dict[str, Placed], dict[str, str], list[str]]:
-    """Every loaded tensor's placement, each companion's weight, and the names of the tensors not loaded (in
-    file order).
+                opts: PlanOptions) -> tuple[list[Placed | None], list[str], list[str]]:
+    """Each tensor's placement (None: not loaded) and the name it is placed by (a companion's weight's, else its
+    own), in the order of `tensors`; and the names of the tensors not loaded (in file order).
 
     A plain tensor gets its rule's placement; a quantized layer's companion (`raylazy.core.quantization`) gets
     its weight's rule, followed at the companion's granularity. Multi-token-prediction layers (config.json's
@@ -145,24 +178,28 @@ def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: 
     except (QuantizedLayoutError, UnsupportedQuantizationError) as e:
         raise type(e)(f"{ckpt.root}: {e}") from None
     drop = set() if opts.keep_mtp else _mtp_names(cfg, by_name)
-    kept = [n for n in by_name if n not in drop] if drop else list(by_name)
-    chosen = match(rules, dict.fromkeys([layout[n].weight if n in layout else n for n in kept] if layout else kept),
+    names = [t.name for _, t in tensors]
+    held = [layout[n].weight if n in layout else n for n in names] if layout else names
+    chosen = match(rules, dict.fromkeys([w for n, w in zip(names, held) if n not in drop] if drop else held),
                    cfg.model_type)
     shared: dict[tuple[int, int], Placed] = {}  # (rule, companion layout) -> how its tensors are placed
-    placed, skipped = {}, set(drop)
-    for name in kept:
-        c = layout.get(name)
-        rule = chosen[c.weight if c else name]
-        if not rule.placement.loaded:
-            skipped.add(name)
+    placed: list[Placed | None] = []
+    skipped = dict.fromkeys(drop)
+    for name, weight in zip(names, held):
+        rule = None if name in skipped else chosen[weight]
+        if rule is None or not rule.placement.loaded:
+            skipped[name] = None
+            placed.append(None)
             continue
+        c = layout.get(name) if layout else None
         key = (id(rule), id(c.layout) if c else 0)
-        if key not in shared:
-            p = Following(rule.placement, c.layout) if c else rule.placement
-            shared[key] = Placed(p, p.describe(), rule.pattern, type(p).holders is not Placement.holders)
-        placed[name] = shared[key]
-    weights = {n: c.weight for n, c in layout.items() if n in placed}
-    return placed, weights, [n for n in by_name if n in skipped] if skipped else []
+        p = shared.get(key)
+        if p is None:
+            f = Following(rule.placement, c.layout) if c else rule.placement
+            p = shared[key] = Placed(f, f.describe(), rule.pattern, type(f).holders is not Placement.holders,
+                                     f.shape_only())
+        placed.append(p)
+    return placed, held, [n for n in by_name if n in skipped] if skipped else []
 
 
 def _mtp_names(cfg, tensors) -> set[str]:
@@ -184,12 +221,13 @@ def with_replicas(plan: Plan, dp: int) -> Plan:
     return plan.model_copy(update={"mesh": mesh, "ranks": ranks, "nodes": ()})
 
 
-def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], placed: dict[str, Placed],
-            weights: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """The pipeline stages of each loaded tensor (empty with one stage: everything is on stage 0). A companion
-    without a layer index (a quantized head's scale) goes where a stage rule puts its weight."""
+def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], tensors: list[tuple[int, TensorInfo]],
+            placed: list[Placed | None], held: list[str]) -> list[tuple[int, ...] | None] | None:
+    """The pipeline stages of each tensor of `tensors` (None: not loaded; all None with one stage: everything is
+    on stage 0). A companion without a layer index (a quantized head's scale) goes where a stage rule puts its
+    weight (`held`: the name each tensor is placed by)."""
     if opts.mesh.pp == 1:
-        return {}
+        return None
     cfg = ckpt.config
     layers = cfg.num_hidden_layers or (sum(opts.pp_layers) if opts.pp_layers else None)
     if layers is None:
@@ -198,9 +236,9 @@ def _stages(ckpt: Checkpoint, opts: PlanOptions, rules: tuple[Rule, ...], placed
     tied = cfg.tie_word_embeddings
     if tied is None:  # config.json does not say: tied when there is no head of its own
         tied = not any(t.name == "lm_head.weight" for _, t in ckpt.tensors())
-    return tensor_stages(placed, partition(layers, opts.mesh.pp, opts.pp_layers),
-                         lambda n: stage_of(rules, weights.get(n, n)), tied,
-                         cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
+    names = [t.name if p else None for (_, t), p in zip(tensors, placed)]
+    return tensor_stages(names, held, partition(layers, opts.mesh.pp, opts.pp_layers),
+                         lambda n: stage_of(rules, n), tied, cfg.num_nextn_predict_layers if opts.keep_mtp else 0)
 
 
 def tensor_shard(fi: int, t: TensorInfo, placement: str, slicing: Slicing | None, gather: Gather) -> TensorShard:

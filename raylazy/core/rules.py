@@ -209,11 +209,9 @@ def resolve_rules(model_type: str | None, rules: RulesLike | None = None, preset
 def match(rules: Iterable[Rule], names: Iterable[str], model_type: str | None = None) -> dict[str, Rule]:
     """The first matching rule of every name; unmatched names are an error listing them (an UnknownArchitectureError
     when there are no rules at all: `model_type` has no preset and no declared plan, and none were given)."""
-    rules = tuple(rules)
-    first = _first_match(rules)
+    rules, names = tuple(rules), list(names)
     found, unmatched = {}, []
-    for name in names:
-        i = first(name)
+    for name, i in zip(names, _first_match(rules)(names)):
         if i is None:
             unmatched.append(name)
         else:
@@ -234,6 +232,8 @@ def match(rules: Iterable[Rule], names: Iterable[str], model_type: str | None = 
 
 #: An index segment of a tensor name (`layers.12.`): all digits, between dots or the name's ends.
 _INDEX = re.compile(r"(?<![^.])\d+(?![^.])")
+#: The same in names each after a "." and before a "\n" (`_skeletons`): a dot, then digits up to a dot or newline.
+_DOT_INDEX = re.compile(r"\.\d+(?=[.\n])")
 #: A segment of a regular expression rule that matches by segments: an index, or a literal that is not all digits.
 _SEGMENT = re.compile(r"\\d\+|\w*[^\W\d]\w*")
 
@@ -248,9 +248,10 @@ def _index_blind(rule: Rule) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def _first_match(rules: tuple[Rule, ...]):
-    """A function: name -> the index of the first of `rules` that matches it, or None (an index: equal rule tuples
-    share the cache). Planning matches 10^5 names of a few dozen kinds: when every rule is `_index_blind`, names
-    that differ only in their indices share one answer; consecutive groupless rules are tried as one alternation."""
+    """A function: names -> the index of the first of `rules` that matches each, or None (an index: equal rule
+    tuples share the cache). Planning matches 10^5 names of a few dozen kinds: when every rule is `_index_blind`,
+    names that differ only in their indices share one answer; consecutive groupless rules are tried as one
+    alternation."""
     runs: list[list[int]] = []
     for i, rule in enumerate(rules):
         if rule._re.groups == 0 and runs and rules[runs[-1][-1]]._re.groups == 0:
@@ -266,16 +267,27 @@ def _first_match(rules: tuple[Rule, ...]):
         return None
 
     if not all(map(_index_blind, rules)):
-        return scan
+        return lambda names: list(map(scan, names))
     answers: dict[str, int | None] = {}
 
-    def first(name: str) -> int | None:
-        key = _INDEX.sub("*", name)
-        if key not in answers:
-            answers[key] = scan(name)
-        return answers[key]
+    def first(names: list[str]) -> list[int | None]:
+        out = []
+        for name, key in zip(names, _skeletons(names)):
+            if key not in answers:
+                answers[key] = scan(name)
+            out.append(answers[key])
+        return out
 
     return first
+
+
+def _skeletons(names: list[str]) -> list[str]:
+    """Each name with its index segments as `*` (`_INDEX`): one pass of a regular expression over all the names
+    joined, each after a "." and before a newline, unless a name holds a newline itself."""
+    joined = "." + "\n.".join(names) + "\n"
+    if joined.count("\n") != len(names):
+        return [_INDEX.sub("*", n) for n in names]
+    return _DOT_INDEX.sub(".*", joined)[1:-1].split("\n.")
 
 
 def _joined(rules: tuple[Rule, ...], run: list[int]) -> list[tuple[re.Pattern, list[int]]]:

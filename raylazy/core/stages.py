@@ -8,7 +8,7 @@ first stage, and the last too when the word embeddings are tied: the last stage 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from ..errors import ConfigurationError, StageError
@@ -40,35 +40,40 @@ def partition(num_layers: int, pp: int, pp_layers: Sequence[int] | None = None) 
 
 
 def tensor_stages(
-    names: Iterable[str],
+    names: Sequence[str | None],
+    ruled: Sequence[str],
     counts: Sequence[int],
     stage_rule: Callable[[str], Stage | None],
     tied: bool,
     extra: int = 0,
-) -> dict[str, tuple[int, ...]]:
-    """Each name -> the stages that hold it, the stages holding `counts` layers each in order. `stage_rule(name)`
-    gives the stage a rule names for a tensor without a layer index (None: no rule does); `tied`: the word
-    embeddings are the head too; `extra`: layers after the last (multi-token prediction) the last stage holds."""
-    pp, by_layer = len(counts), [s for s, n in enumerate(counts) for _ in range(n)]  # layer -> its stage
+) -> list[tuple[int, ...] | None]:
+    """The stages that hold each name of `names` (None: a tensor not loaded, held by none), the stages holding
+    `counts` layers each in order. `stage_rule(ruled[i])` gives the stage a rule names for a tensor without a
+    layer index (None: no rule does); `tied`: the word embeddings are the head too; `extra`: layers after the
+    last (multi-token prediction) the last stage holds."""
+    pp, layers = len(counts), sum(counts)
+    by_layer = [(s,) for s, n in enumerate(counts) for _ in range(n)] + [(pp - 1,)] * extra  # layer -> its stage
     named = {"first": (0,), "last": (pp - 1,), "all": tuple(range(pp)),
              "embedding": tuple(sorted({0, pp - 1})) if tied else (0,)}
-    out = {}
-    for name in names:
-        layer = layer_index(name)
-        if layer is None:
-            stage = stage_rule(name)
+    out: list[tuple[int, ...] | None] = []
+    search = _LAYER.search
+    for name, rule_name in zip(names, ruled):
+        m = name and search(name)
+        if m:
+            layer = int(m.group(1))
+            if layer >= len(by_layer):
+                raise StageError(f"tensor {name!r} is in layer {layer}, but the model has {layers} layers "
+                                 f"(config.json's num_hidden_layers; layers 0-{layers - 1}) "
+                                 f"and {extra} multi-token-prediction layer(s) after them (num_nextn_predict_layers; "
+                                 f"kept with keep_mtp=True); skip the layer with rules=[('*layers.{layer}.*', Skip())]")
+            out.append(by_layer[layer])
+        elif name is None:
+            out.append(None)
+        else:
+            stage = stage_rule(rule_name)
             if stage is None:
                 raise StageError(f"tensor {name!r} has no layer index (no 'layers.<i>.' in its name) and no rule names "
                                  "its pipeline stage: add one, e.g. rules=[Rule('" + name + "', Replicated(), "
                                  "stage='first')] ('first', 'last', 'all' or 'embedding')")
-            out[name] = named[stage]
-        elif layer >= len(by_layer) + extra:
-            raise StageError(f"tensor {name!r} is in layer {layer}, but the model has {len(by_layer)} layers "
-                             f"(config.json's num_hidden_layers; layers 0-{len(by_layer) - 1}) and {extra} "
-                             "multi-token-prediction layer(s) after them (num_nextn_predict_layers; kept with "
-                             f"keep_mtp=True); skip the layer with rules=[('*layers.{layer}.*', Skip())]")
-        elif layer >= len(by_layer):
-            out[name] = (pp - 1,)
-        else:
-            out[name] = (by_layer[layer],)
+            out.append(named[stage])
     return out

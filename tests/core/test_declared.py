@@ -214,10 +214,8 @@ def test_matching_gives_the_first_matching_rule(names):
              Rule("*.self_attn.q_proj.weight", r), Rule(r"x\.1\d", r, regex=True), Rule("(?i)LM_HEAD.*", r, regex=True),
              Rule(r"(model)\.layers\.1\..*", r, regex=True), Rule("*.w?.weight", r), Rule("x.*", r))
     for subset in (rules, rules[1:3], rules[2:], rules[6:]):
-        first = _first_match(subset)
-        for name in names:
-            expected = next((i for i, rule in enumerate(subset) if rule.matches(name)), None)
-            assert first(name) == expected, (name, [x.pattern for x in subset])
+        expected = [next((i for i, rule in enumerate(subset) if rule.matches(name)), None) for name in names]
+        assert _first_match(subset)(names) == expected, [x.pattern for x in subset]
 
 
 def test_the_docs_table_lists_every_model_type_planned():

@@ -56,6 +56,9 @@ class Following(Placement):
     def holders(self, shape: tuple[int, ...], ctx: ShardContext) -> tuple[int, ...] | None:
         return self.placement.holders(self.layout.shape, ctx)
 
+    def shape_only(self) -> bool:
+        return self.placement.shape_only()
+
     def slicing(self, shape: tuple[int, ...], ctx: ShardContext) -> Slicing | None:
         weight = self.placement.slicing(self.layout.shape, ctx)
         if weight is None:
