@@ -150,3 +150,15 @@ def test_a_failure_while_writing_says_to_reload_and_the_next_reload_restores_the
     _same_weights(again)
     assert again["logprobs"] != good["logprobs"]
     assert back["error"] is None and back["logprobs"] == good["logprobs"] == runs[1]["logprobs"]
+
+
+def test_the_rl_example_runs(vllm_python, tmp_path):  # noqa: F811  (the fixture imported above)
+    """examples/vllm_rl_reload.py: a trainer task writes each step's checkpoint, an engine actor reloads it, and
+    the example's own check (logprobs a fresh engine's on the step's checkpoint, and changed) passes each step."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([vllm_python, str(REPO / "examples" / "vllm_rl_reload.py"), "--steps", "2", "--work",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and len(steps) == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(s["equals_fresh_engine"] and s["changed"] for s in steps)
