@@ -9,9 +9,10 @@ Each repetition, for each tp and cache state, runs in turn (A B C A B C ...): `r
 process starts an engine with that format on the checkpoint, the parent's copy "step 0", then makes the cache
 state of "step 1", a copy of it in another directory, and reloads from it) and `fresh` (benchmarks/vllm_load.py's
 engine start, on vLLM's default loader, to the first token). Cold: step 1's pages evicted; warm: its files read
-once. Reported: the reload's seconds (the `collective_rpc` call), the bytes the workers' read calls returned
-during it (rchar from /proc/self/io, each worker's and their sum: the node's), and what /proc/diskstats saw the
-checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's 0.53 GB Llama.
+once. Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it,
+the bytes it made the storage read (read_bytes; the most one worker read, and the workers' sum: the node's) and
+those its read calls returned (rchar: not the pages a memory map or the cooperative reader's shared copies
+take); and what /proc/diskstats saw the checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's 0.53 GB Llama.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def one(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
     after = llm.collective_rpc(worker_io)
     disk = device.settled_reads() - disk0 if disk0 else None
     llm.llm_engine.engine_core.shutdown()
-    rchar = [a["rchar"] - b["rchar"] for a, b in zip(after, before)]
-    return {"reload_s": seconds, "worker_rchar": max(rchar), "node_rchar": sum(rchar),
-            "disk_bytes": disk.bytes if disk else None}
+    got = {k: [a[k] - b[k] for a, b in zip(after, before)] for k in ("rchar", "read_bytes")}
+    return {"reload_s": seconds, "disk_bytes": disk.bytes if disk else None,
+            **{f"{w}_{k}": f(v) for k, v in got.items() for w, f in (("worker", max), ("node", sum))}}
 
 
 def reload_run(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
@@ -74,16 +75,17 @@ def table(rows: list[dict]) -> list[str]:
         values = [r[key] for r in rows_of if r.get(key) is not None]
         return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})" if values else "-"
 
-    out = ["| what | tp | cache | runs | seconds | worker read MB | node read MB | device read MB |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| what | tp | cache | runs | seconds | worker read MB | node read MB | worker rchar MB | device read MB |",
+           "|---|---|---|---|---|---|---|---|---|"]
     s, mb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}")
     for key in dict.fromkeys((r["what"], r["tp"], r["cache"]) for r in rows):
         rows_of = [r for r in rows if (r["what"], r["tp"], r["cache"]) == key and "error" not in r]
         if not rows_of:
-            out.append(f"| {' | '.join(map(str, key))} | 0 | fails | | | |")
+            out.append(f"| {' | '.join(map(str, key))} | 0 | fails | | | | |")
             continue
         out.append(f"| {' | '.join(map(str, key))} | {len(rows_of)} | {med('seconds', s)} | "
-                   f"{med('worker_rchar', mb)} | {med('node_rchar', mb)} | {med('disk_bytes', mb)} |")
+                   f"{med('worker_read_bytes', mb)} | {med('node_read_bytes', mb)} | {med('worker_rchar', mb)} | "
+                   f"{med('disk_bytes', mb)} |")
     return out
 
 
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
                 for what in ("raylazy", "auto", "fresh"):
                     if what == "fresh":
                         r = measure(steps[1], "auto", tp, cache, device)
-                        r = {"seconds": r.get("ready_s"),
+                        r = {"seconds": r.get("ready_s"), "worker_read_bytes": r.get("worker_max"),
+                             "node_read_bytes": r.get("read_bytes"),
                              "disk_bytes": r.get("disk_bytes"), **({"error": r["error"]} if "error" in r else {})}
                     else:
                         r = reload_run(steps[0], steps[1], what, tp, cache)
