@@ -137,13 +137,19 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_options(doc: str, runs: int) -> argparse.ArgumentParser:
+    """The options of the vLLM benchmarks' alternating runs: --model, --tp, --cache, --runs."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--model", help="a checkpoint directory (default: the benchmark's Llama, built on first use)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), help="load formats; raylazy:KEY=VALUE,... for options")
     ap.add_argument("--cache", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
-    ap.add_argument("--runs", type=int, default=5, help="repetitions (each runs every format once)")
+    ap.add_argument("--runs", type=int, default=runs, help="repetitions (each runs every format once)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = run_options(__doc__, runs=5)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), help="load formats; raylazy:KEY=VALUE,... for options")
     ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     model = args.model or ensure_checkpoint(SPEC)

@@ -220,6 +220,11 @@ class FileChangedError(LoadError):
     """A checkpoint file differs from the one the plan was made from."""
 
 
+class ReloadError(LoadError):
+    """Reloading a running vLLM engine's weights in place failed: before any weight was written (the engine keeps
+    its weights), or after (the engine holds a mix of old and new weights until reloaded again)."""
+
+
 class ReadError(LoadError):
     """Reading planned bytes failed (I/O error, permission, file truncated)."""
 

@@ -233,6 +233,15 @@ class Serving:
             self._cond.notify_all()
         self._thread.join()
 
+    def drain(self) -> None:
+        """Read every batch left and stop the reader (takes may then come after the serving is left)."""
+        with self._cond:
+            self._wanted = len(self._batches)
+            self._cond.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
     def _run(self) -> None:
         try:
             with self._session as exchange:

@@ -28,6 +28,7 @@ from ..storage import open_checkpoint
 from .lazy import lazy_weights
 from .options import LazyOptions, lazy_options
 from .recording import Recording, in_place, wanted
+from .reload import keep, weights_for_reload
 from .report import summary
 from .serving import NodeGroup, RegionReader, Serving
 
@@ -109,10 +110,19 @@ class RaylazyModelLoader(BaseModelLoader):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         logger.info(summary(rank, s, ckpt.nbytes, params, "replay" if replay else "rerun", recording.why_not_replayable,
                             rchar, seconds))
+        # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
+        keep(model, model_config, ckpt, wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}),
+             params)
         if model_config.quantization is None and loaded is not None:
             # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
             # loader: it reads nothing of a loader but what every BaseModelLoader has
             DefaultModelLoader.track_weights_loading(self, model, loaded)
+
+
+    def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module):
+        """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now
+        names, as lazy weights served synchronously (`raylazy.integrations.reload`)."""
+        return weights_for_reload(model, model_config, self.options, _checkpoint, _workers(), logger)
 
 
 def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:

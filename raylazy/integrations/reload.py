@@ -1,0 +1,155 @@
+"""vLLM's in-place reload (`reload_weights(weights_path=..., is_checkpoint_format=True)`) on raylazy's format.
+
+vLLM's reload puts the model's parameters on the meta device, runs each weight loader first on them (counting
+the elements `copy_` writes) and, once a layer's count is complete, again into fresh tensors it processes and
+copies into the kernel's. So the weights it gets are lazy weights served synchronously: a copy into a meta
+tensor reads nothing (it is only counted), a copy into a real one takes its region from a `Serving` that reads
+this worker's regions of the new checkpoint in batches, with the node's other workers. Which regions: those the
+first load recorded (`Kept`, on the model: vLLM makes a new loader for each reload), re-resolved by tensor name
+against the new headers; a checkpoint whose tensors or shapes differ is recorded afresh: each region read alone
+as it is taken, and kept for the next reload. Headers, file sizes and the regions are checked before vLLM writes
+anything (a failure then leaves the engine as it was); a read failing after that puts every unfinished layer's
+old tensors back and raises `ReloadError`: the engine then holds a mix of old and new weights until reloaded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..core.boxes import Region
+from ..core.checkpoint import Checkpoint
+from ..errors import ReloadError, first_line
+from ..io.stats import Meter
+from .lazy import lazy_weights
+from .recording import Copy
+from .report import summary
+from .serving import NodeGroup, RegionReader, Serving
+
+#: The model attribute that keeps what a reload needs of the first load.
+KEPT = "raylazy_kept"
+
+
+@dataclass
+class Kept:
+    """What a reload needs of the load before it: the checkpoint the weights came from (vLLM's `model`,
+    `model_weights`, `revision`), each tensor's shape, the regions taken and how often ((name, starts, sizes) ->
+    takes), the parameters' device and bytes as loaded."""
+
+    source: tuple[str, str, str | None]
+    shapes: dict[str, tuple[int, ...]]
+    takes: dict[tuple, int]
+    device: torch.device
+    param_bytes: int
+
+    def regions(self, ckpt: Checkpoint) -> tuple[dict[Region, int], str]:
+        """(takes of the regions in `ckpt`, why they are not the recorded ones: "" where they are)."""
+        now = {t.name: (fi, t) for fi, t in ckpt.tensors()}
+        gone = next((n for n in self.shapes if n not in now), None)
+        if gone is not None or len(now) != len(self.shapes):
+            new = next((n for n in now if n not in self.shapes), None)
+            return {}, f"tensor {gone!r} is gone" if gone else f"tensor {new!r} is new"
+        changed = next((n for n, s in self.shapes.items() if tuple(now[n][1].shape) != s), None)
+        if changed is not None:
+            return {}, f"tensor {changed!r} has shape {list(now[changed][1].shape)}, not {list(self.shapes[changed])}"
+        return {Region(*now[name], starts, sizes): n for (name, starts, sizes), n in self.takes.items()}, ""
+
+
+def key(region: Region) -> tuple:
+    return region.tensor.name, region.starts, region.sizes
+
+
+def keep(model: torch.nn.Module, model_config, ckpt: Checkpoint, takes: dict[Region, int], param_bytes: int) -> None:
+    """Keep on `model` what its next reload needs (`Kept`)."""
+    setattr(model, KEPT, Kept((model_config.model, model_config.model_weights, model_config.revision),
+                              {t.name: tuple(t.shape) for _, t in ckpt.tensors()}, {key(r): n for r, n in takes.items()},
+                              next(model.parameters()).device, param_bytes))
+
+
+class _Run:
+    """What a reload's lazy weights take their bytes from: copies into meta tensors (vLLM's count) read nothing;
+    every take is counted (the next reload's recording); a failed take undoes the reload's unfinished layers."""
+
+    def __init__(self, serving: Serving, fail):
+        self.serving, self.fail, self.taken = serving, fail, Counter()
+
+    def take(self, region: Region) -> torch.Tensor:
+        self.taken[key(region)] += 1
+        try:
+            return self.serving.take(region)
+        except BaseException as e:  # noqa: BLE001  (re-raised by `fail` as a ReloadError)
+            self.fail(e)
+
+    def drain(self) -> None:
+        """Every batch read before the serving is left: layers vLLM finishes after the last weight (padding,
+        attention) take theirs then."""
+        try:
+            self.serving.drain()
+        except BaseException as e:  # noqa: BLE001  (likewise)
+            self.fail(e)
+
+    def copy_into(self, dst: torch.Tensor, weight) -> torch.Tensor:
+        if dst.is_meta:
+            return dst.copy_(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
+        return Copy(dst, weight.region, weight.lens).do(self.take(weight.region))
+
+
+def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint, group: NodeGroup | None, logger):
+    """The weights vLLM's reload asks of the load format (`get_all_weights`): every check runs now, before vLLM
+    touches the model, and every worker learns whether another's failed; the bytes are read as the iterator is
+    used. `checkpoint(model_config, options)` opens the checkpoint's headers."""
+    kept: Kept = getattr(model, KEPT)
+    meter, reads, error, new = Meter(), None, None, _path(model_config)
+    try:
+        ckpt = checkpoint(model_config, options)
+        reads = RegionReader(ckpt, options)
+        reads.sources(range(len(ckpt.files)))  # every file opened and its size checked against its header, once
+        takes, afresh = kept.regions(ckpt)
+    except Exception as e:  # noqa: BLE001  (raised below, on every worker)
+        error = e
+    why = error and f"{type(error).__name__}: {first_line(error)}"
+    failed = [(r, m) for r, m in enumerate(group.all_gather(why) if group else [why]) if m]
+    if failed:
+        if reads is not None:
+            reads.__exit__(None, None, None)
+        model_config.model, model_config.model_weights, model_config.revision = kept.source
+        raise ReloadError(f"reloading from {new} failed before any weight was written (worker {failed[0][0]}: "
+                          f"{failed[0][1]}); the engine keeps the weights of {_path(model_config)}") from error
+    serving = Serving(reads, takes, {}, group, kept.device)
+    return _serve(model, model_config, kept, reads, serving, ckpt, (takes, afresh), meter, group, logger)
+
+
+def _path(model_config) -> str:
+    return model_config.model_weights or model_config.model
+
+
+def _serve(model, model_config, kept: Kept, reads, serving, ckpt, planned, meter, group, logger):
+    takes, afresh = planned
+    run = _Run(serving, lambda e: _abandon(model, model_config, e))
+    with reads, serving:
+        yield from lazy_weights(ckpt, run)
+        run.drain()
+    seconds, rchar = meter.elapsed()
+    mode, why = ("reload-recorded", f"recorded afresh: {afresh}") if afresh else ("reload-reused", "")
+    logger.info(summary(group.rank if group else 0, reads.stats, ckpt.nbytes, kept.param_bytes, mode, why, rchar,
+                        seconds))
+    kept.takes = dict(run.taken | Counter({key(r): n for r, n in takes.items()}))
+    kept.source = (model_config.model, model_config.model_weights, model_config.revision)
+    kept.shapes = {t.name: tuple(t.shape) for _, t in ckpt.tensors()}
+
+
+def _abandon(model: torch.nn.Module, model_config, error: BaseException):
+    """A read failed while vLLM was writing layers: every layer not finished gets its old tensors back (vLLM's
+    own fallback for a layer that loaded nothing), so the engine can run, on a mix of old and new weights."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
+
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            info.load_numel, info.loaded_weights = 0, []
+    finalize_layerwise_reload(model, model_config)
+    raise ReloadError(f"reloading from {_path(model_config)} failed after vLLM began writing the weights "
+                      f"({type(error).__name__}: {first_line(error)}); the engine now holds a mix of old and new "
+                      "weights: reload again before serving") from error
