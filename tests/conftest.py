@@ -110,6 +110,37 @@ def two_node_cluster(llama_dir):
             stop_cluster(cluster)
 
 
+#: The suite runs as two streams side by side (pyproject.toml's addopts: pytest-xdist with two workers): the tests
+#: below, which do their work in processes of their own (vLLM's engines, torchrun, Ray clusters of their own), and
+#: the rest, on the session's local Ray. Each stream runs in its collected order in one worker, so the session
+#: fixtures, the local Ray and the ordering below hold within it as in a plain run (docs/testing.md, "Two streams").
+OWN_PROCESSES = (
+    "tests/integrations/test_vllm.py",  # vLLM's engines, in vLLM's virtualenv
+    "tests/integrations/test_declared_vllm.py",
+    "tests/core/test_declared.py",  # transformers' tensor-parallel loading under torchrun
+    "tests/examples/",  # a Ray job, the notebook and the fake autoscaler, each on a Ray of its own
+    "tests/cluster/test_node_loss.py",  # a four-node Ray in a subprocess
+    "tests/cluster/test_placement.py::test_embedded_default_loads_any_tp_on_two_cores",  # raylazy's own Ray
+    "tests/cluster/test_start.py::test_the_ray_raylazy_starts_has_torch_imported_in_its_workers",
+    "tests/cluster/test_reload.py::test_rl_reload_loop_example_runs_small",
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduling with one scope per stream: a worker takes a whole stream. (Its own
+    `xdist_group` marks cannot do this on pytest 9.2, whose node ids pytest-xdist 3.8 can no longer suffix with the
+    group.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Streams(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "own processes" if nodeid.startswith(OWN_PROCESSES) else "session ray"
+
+    return Streams(config, log)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture scope
 def pytest_collection_modifyitems(items):
     """The tests on `two_node_cluster` run last, in their collected order: the cluster is started once for all of
@@ -160,3 +191,4 @@ def netfs():
     yield mount
     for fs in mounts:
         fs.close()
+

@@ -44,8 +44,8 @@ class Slicing:
 
 class ShardContext(NamedTuple):
     """What a placement may consult about one tensor on one rank (immutable). A named tuple: the planner makes
-    one per tensor and rank that holds it (97k for DeepSeek-V3 at tp=8 x pp=2), and a frozen dataclass took
-    4-7x longer to build (measured 3.8 against 0.5 us on a loaded machine).
+    one per tensor and rank that holds it (97k for DeepSeek-V3 at tp=8 x pp=2), and a frozen dataclass is several
+    times slower to build.
 
     `rank` and `tp` are the rank's tensor-parallel coordinate and the tp size (what
     most placements need); `coords` holds the rank's coordinate along every mesh
