@@ -118,8 +118,10 @@ OWN_PROCESSES = (
     "tests/integrations/test_vllm.py",  # vLLM's engines, in vLLM's virtualenv
     "tests/integrations/test_declared_vllm.py",
     "tests/integrations/test_vllm_reload.py",
+    "tests/core/test_declared.py",  # transformers' tensor-parallel loading under torchrun
     "tests/examples/",  # a Ray job, the notebook and the fake autoscaler, each on a Ray of its own
     "tests/cluster/test_node_loss.py",  # a four-node Ray in a subprocess
+    "tests/cluster/test_placement.py::test_embedded_default_loads_any_tp_on_two_cores",  # raylazy's own Ray
     "tests/cluster/test_start.py::test_the_ray_raylazy_starts_has_torch_imported_in_its_workers",
     "tests/cluster/test_reload.py::test_rl_reload_loop_example_runs_small",
 )
