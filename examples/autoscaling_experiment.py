@@ -201,15 +201,18 @@ class Watcher(threading.Thread):
         import ray
 
         now = time.time()
+        # The placement groups first, then the nodes: a group placed by now is on nodes the listing after it
+        # holds, so a node is never seen a poll later than the group placed on it (a node that registered
+        # between the two listings, the other way round, once was).
+        if self.pg_placed_at is None:
+            for pg in ray.util.placement_group_table().values():
+                if str(pg.get("name", "")).startswith("raylazy-") and pg.get("state") == "CREATED":
+                    self.pg_placed_at = now
         for n in ray.nodes():
             if n["Alive"] and n["NodeID"] not in self.nodes:
                 res = n["Resources"]
                 self.nodes[n["NodeID"]] = {"node_id": n["NodeID"], "seen_at": now, "gpus": res.get("GPU", 0),
                                            "cpus": res.get("CPU", 0), "head": "node:__internal_head__" in res}
-        if self.pg_placed_at is None:
-            for pg in ray.util.placement_group_table().values():
-                if str(pg.get("name", "")).startswith("raylazy-") and pg.get("state") == "CREATED":
-                    self.pg_placed_at = now
 
     def run(self) -> None:
         while not self._halt.is_set():
