@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=1, help="copies of the rank grid, as `raylazy load` (default 1)")
     p.add_argument("--estimate", action="store_true", help="print the predicted load time on --hardware for "
                    "raylazy, a naive loader and vLLM's default loader (raylazy.estimate: model output)")
-    p.add_argument("--hardware", default=None, metavar="FILE|PRESET", help="hardware description (JSON or YAML, "
-                   "see docs/estimate.md) or a preset: " + ", ".join(_preset_names()) + "; the plan is made for its "
-                   "storage")
+    p.add_argument("--hardware", default=None, metavar="FILE|PRESET", help="hardware description (JSON or YAML) or "
+                   "a preset's name (docs/estimate.md lists them; a wrong name is told the names); the plan is made "
+                   "for its storage")
     p.add_argument("--live-source", action="store_true",
                    help="with --estimate: every rank copies from a live replica instead of reading storage")
 
@@ -90,12 +90,6 @@ def _rules(args):
     return read_rules(args.rules) if args.rules else None
 
 
-def _preset_names() -> list[str]:
-    from .core.hardware import presets
-
-    return list(presets())
-
-
 def _plan(args) -> int:
     from .core.planner import with_replicas
     from .core.schedule import with_node_schedules
@@ -138,10 +132,10 @@ def _ranks_per_node(args, ranks: int) -> int:
 def _hardware(args):
     import os
 
-    from .core.hardware import parse_hardware, preset
+    from .core.hardware import parse_hardware, preset, presets
 
     if not args.hardware:
-        raise ConfigurationError("--estimate needs --hardware FILE or a preset: " + ", ".join(_preset_names()))
+        raise ConfigurationError("--estimate needs --hardware FILE or a preset: " + ", ".join(presets()))
     if not os.path.exists(args.hardware):
         return preset(args.hardware)
     with open(args.hardware, encoding="utf-8") as fh:
