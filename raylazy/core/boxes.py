@@ -13,7 +13,7 @@ from ..errors import PartialByteSliceError
 from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .header import TensorInfo
-from .plans import Read, TensorShard
+from .plans import Read, TensorShard, read_of
 
 #: Whether `count` rows of `length` bytes, `stride` bytes apart, are read as one range with their gaps:
 #: `gather(length, stride, count)`.
@@ -141,7 +141,7 @@ def box_reads(file: int, t: TensorInfo, starts: tuple[int, ...], sizes: tuple[in
 def whole_reads(file: int, t: TensorInfo) -> tuple[Read, ...]:
     """The reads of all of tensor `t` (in file `file`): one range, none for an empty tensor (`box_reads` of its
     whole box, without looking at its dims: the planner asks this once per tensor every rank holds whole)."""
-    return (Read(file, t.start, t.end - t.start, 0),) if t.end > t.start else ()
+    return (read_of((file, t.start, t.end - t.start, 0, 1, 0, 0, False)),) if t.end > t.start else ()
 
 
 def _read(file: int, t: TensorInfo, starts, sizes, src: int, dst: int, run: int, count: int, stride: int,

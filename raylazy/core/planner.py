@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import re
 from contextlib import contextmanager
-from functools import partial
 from itertools import repeat
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ from .header import TensorInfo
 from .mesh import Mesh
 from .options import PlanOptions
 from .placements import Placement, ShardContext, Slicing
-from .plans import FileRef, Plan, RankPlan, Read, TensorShard
+from .plans import FileRef, Plan, RankPlan, TensorShard, read_of, shard_of
 from .quantization import Following
 from .rules import Rule, RulesLike, match, resolve_rules, stage_of
 from .stages import layer_index, partition, tensor_stages
@@ -44,13 +43,22 @@ class Placed(NamedTuple):
 @contextmanager
 def gc_paused():
     """Pause Python's cyclic garbage collector: a large checkpoint's headers and plan are ~10^5 small acyclic
-    objects, and the collector's passes over them (and over all else alive) would cost more than planning itself."""
+    objects, and the collector's passes over them (and over all else alive) would cost more than planning itself.
+
+    On resuming, what was allocated meanwhile goes straight to the oldest generation (`gc.freeze()` then
+    `gc.unfreeze()`: two list splices), as a long-lived plan would after surviving two passes: otherwise the
+    first young pass after it scans every one of those objects (a fifth of a second for DeepSeek-V3's plan). A
+    process that froze objects of its own (`gc.get_freeze_count()`) keeps them frozen: its young objects are
+    then left to the passes."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -130,7 +138,7 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
                     if c is _UNCUT:
                         c = shared[k] = _cut(p, t, context(s, k, name), gather)
                     if c is None:
-                        whole = whole or _shard((t.name, fi, t.start, t.dtype, t.shape, t.shape, p.label, None, (),
+                        whole = whole or shard_of((t.name, fi, t.start, t.dtype, t.shape, t.shape, p.label, None, (),
                                                  whole_reads(fi, t)))
                         lists[s][k].append(whole)
                     else:
@@ -143,8 +151,6 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
 
 #: A rank's cut not asked of its placement yet (None: the rank takes the whole tensor).
 _UNCUT = object()
-#: A TensorShard from the tuple of its fields, made in C: most of a large plan's shards are whole tensors.
-_shard = partial(tuple.__new__, TensorShard)
 
 
 def _cut(p: Placed, t: TensorInfo, ctx: ShardContext, gather: Gather) -> TensorShard | None:
@@ -158,8 +164,8 @@ def _cut(p: Placed, t: TensorInfo, ctx: ShardContext, gather: Gather) -> TensorS
 
 def _moved(cut: TensorShard, name: str, fi: int, start: int) -> TensorShard:
     """`cut` (a shard of a tensor at byte 0 of file 0) as the shard of tensor `name` at byte `start` of file `fi`."""
-    reads = tuple([Read(fi, start + offset, *rest) for _, offset, *rest in cut.reads])
-    return _shard((name, fi, start, *cut[3:9], reads))
+    reads = tuple([read_of((fi, start + offset, *rest)) for _, offset, *rest in cut.reads])
+    return shard_of((name, fi, start, *cut[3:9], reads))
 
 
 def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: tuple[Rule, ...],

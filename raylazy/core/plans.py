@@ -9,6 +9,7 @@ reader fetches the whole span (gaps included) in one request and keeps the rows.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -126,6 +127,12 @@ class TensorShard(NamedTuple):
     @classmethod
     def __get_pydantic_core_schema__(cls, source, handler):
         return _record_schema(source, handler, lambda t: {**t._asdict(), "reads": [r._asdict() for r in t.reads]})
+
+
+#: A Read and a TensorShard from the tuple of all their fields, made in C: a large plan makes ~10^5 of each, and
+#: a NamedTuple's own constructor is Python.
+read_of = partial(tuple.__new__, Read)
+shard_of = partial(tuple.__new__, TensorShard)
 
 
 class RankStats(_Frozen):

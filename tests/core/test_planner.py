@@ -769,3 +769,32 @@ def test_property_a_box_reads_its_elements_in_order(shape, data, max_gap):
     want = full[tuple(slice(a, a + n) for a, n in zip(starts, sizes))].contiguous()
     assert apply_reads(shard, [blob]) == want.numpy().tobytes()
     assert all(r.gather == (r.stride - r.length <= max_gap) for r in shard.reads if r.count > 1)
+
+
+def test_planning_hands_the_garbage_collector_back_as_it_found_it(llama_dir):
+    """Planning pauses the cyclic collector; afterwards it is on again only if it was, a process's own frozen
+    objects stay frozen, and the plan's objects wait in the oldest generation (no young pass over all of them)."""
+    import gc
+
+    def gen2_has(obj) -> bool:
+        return any(o is obj for o in gc.get_objects(generation=2))
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    plan = make_plan(llama_dir, 2)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gen2_has(plan.ranks[0].tensors[0])
+
+    gc.disable()
+    try:
+        make_plan(llama_dir, 2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    gc.freeze()  # as a pre-fork server does with its own objects
+    try:
+        frozen = gc.get_freeze_count()
+        make_plan(llama_dir, 2)
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
