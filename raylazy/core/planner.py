@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 from contextlib import contextmanager
+from functools import partial
 from itertools import repeat
 from typing import NamedTuple
 
@@ -112,8 +113,9 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
     per_rank: list[list[TensorShard]] = [[] for _ in range(mesh.size // mesh.dp)]
     ranks = [[mesh.rank(pp=s, tp=k) for k in range(tp)] for s in range(mesh.pp)]  # stage -> tp rank -> rank
     coords = [[mesh.coords(r) for r in stage] for stage in ranks]
-    context = lambda s, k, name: ShardContext(k, tp, cfg.num_attention_heads, cfg.num_key_value_heads,  # noqa: E731
-                                              opts.uneven, name, coords[s][k], opts.expert_parallel, cfg.num_experts)
+    heads, kv_heads, uneven, ep, experts = (cfg.num_attention_heads, cfg.num_key_value_heads, opts.uneven,
+                                            opts.expert_parallel, cfg.num_experts)
+    context = lambda s, k, name: _context((k, tp, heads, kv_heads, uneven, name, coords[s][k], ep, experts))  # noqa: E731
     lists = [[per_rank[r] for r in stage] for stage in ranks]
     every, known, cuts = tuple(range(tp)), {}, {}  # known: (weight, stage) -> holders; cuts: shape-only cuts
     for (fi, t), p, name, held_by in zip(tensors, placed, held, stages or repeat((0,))):
@@ -149,6 +151,8 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
     return per_rank
 
 
+#: A ShardContext from the tuple of all its fields, made in C (one per tensor a placement is asked about).
+_context = partial(tuple.__new__, ShardContext)
 #: A rank's cut not asked of its placement yet (None: the rank takes the whole tensor).
 _UNCUT = object()
 
