@@ -5,9 +5,10 @@ and the multi-token-prediction layer, 91,991 tensors) and in bf16 without them (
 planned before quantized checkpoints were), planned with `make_plan(dir, 8, pp=2, expert_parallel=True)`; and
 Llama-3.1-405B's (benchmarks/plan_405b.py, 1,137 tensors), planned with `make_plan(dir, 8)`. Then, round after
 round, each (tree, layout) pair runs in a fresh Python process with that source tree first on its path: it plans
-the checkpoint once to warm up, then `--runs` times, and prints the CPU times' min and median, and at the end
-each pair's median over all its runs. A tree that cannot plan a layout says why. On a shared machine the
-neighbours move every number: compare the pairs of one round, and the rounds' spread.
+the checkpoint once (the process's first call, printed apart), then `--runs` times, and prints the CPU times' min
+and median, and at the end each pair's median over all its runs and of its first calls. A tree that cannot plan
+a layout says why. On a shared machine the neighbours move every number: compare the pairs of one round, and the
+rounds' spread.
 
     git archive <commit> | tar -x -C /tmp/before     # the code before, as a plain tree
     python benchmarks/plan_alternating.py --before /tmp/before --rounds 4
@@ -33,8 +34,7 @@ _TIME = r"""
 import json, sys, time
 from raylazy.planning import make_plan
 plan = lambda: make_plan(sys.argv[1], 8, **json.loads(sys.argv[3]))
-plan()
-times = []
+t0 = time.process_time(); plan(); times = [time.process_time() - t0]  # the process's first call
 for _ in range(int(sys.argv[2])):
     t0 = time.process_time(); plan(); times.append(time.process_time() - t0)
 print(json.dumps(times))
@@ -51,7 +51,7 @@ LAYOUTS = {
 
 def time_tree(tree: str, model_dir: str, runs: int, options: dict) -> list[float] | str:
     """CPU seconds of each planning run of `model_dir` (`make_plan(dir, 8, **options)`) by the raylazy of source
-    tree `tree`, or its error line."""
+    tree `tree` in a fresh process, its first call first, or its error line."""
     res = subprocess.run([sys.executable, "-c", _TIME, model_dir, str(runs), json.dumps(options)],
                          capture_output=True, text=True, cwd=tempfile.gettempdir(), env={**os.environ, "PYTHONPATH": tree})
     if res.returncode:
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     args = ap.parse_args(argv)
     every: dict[tuple[str, str], list[float]] = {}
+    firsts: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="plan-alternating-") as tmp:
         dirs = {layout: os.path.join(tmp, layout) for layout in args.layouts}
         for layout, d in dirs.items():
@@ -80,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                     if isinstance(times, str):
                         print(f"round {r}  {label:6s} {layout:4s}  {times}  (load {load})", flush=True)
                         continue
+                    first, times = times[0], times[1:]
+                    firsts.setdefault((layout, label), []).append(first)
                     every.setdefault((layout, label), []).extend(times)
-                    print(f"round {r}  {label:6s} {layout:4s}  min {min(times):.3f}  median "
-                          f"{statistics.median(times):.3f}  (load {load})", flush=True)
+                    print(f"round {r}  {label:6s} {layout:4s}  first call {first:.3f}  then min {min(times):.3f}  "
+                          f"median {statistics.median(times):.3f}  (load {load})", flush=True)
     for (layout, label), times in every.items():
         print(f"all rounds  {label:6s} {layout:4s}  median {statistics.median(times):.3f} of {len(times)} runs, "
-              f"min {min(times):.3f}")
+              f"min {min(times):.3f}; first calls: median {statistics.median(firsts[layout, label]):.3f}")
     return 0
 
 
