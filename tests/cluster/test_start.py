@@ -1,5 +1,6 @@
 """A load's start: the Ray raylazy starts itself has its workers import torch and raylazy's readers as they start
-(`raylazy.cluster.bundles.PRELOAD`), and a load's end-to-end seconds split into its steps (`LoadedModel.phases`)."""
+(`raylazy.cluster.bundles.PRELOAD`), the driver imports no torch to start the ranks, and a load's end-to-end seconds
+split into its steps (`LoadedModel.phases`)."""
 
 from __future__ import annotations
 
@@ -14,28 +15,36 @@ import raylazy
 from tests.support import REPO
 
 #: Run in a process of its own (its own local Ray, started by raylazy): what a fresh worker has imported before
-#: running anything (the function is pickled by value: the worker imports nothing of this script's).
+#: running anything (the function is pickled by value: the worker imports nothing of this script's), and whether
+#: the driver imported torch to start two ranks (Ray's tensor transports would, registered at the actors' creation).
 PROBE = """
-import json, ray
+import json, sys, ray
 from raylazy.cluster.bundles import ensure_ray
+from raylazy.cluster.group import Deadline, RankGroup
 
 def imported():
     import sys
     return {m: m in sys.modules for m in ("torch", "raylazy.io.backends")}
 
 assert ensure_ray()
-print(json.dumps(ray.get(ray.remote(num_cpus=0)(imported).remote(), timeout=120)))
+worker = ray.get(ray.remote(num_cpus=0)(imported).remote(), timeout=120)
+group = RankGroup.create([{"CPU": 0.5}] * 2, "cpu")
+group.wait_placed(120)
+ranks = group.refresh(Deadline(120))
+print(json.dumps({"worker": worker, "ranks": len(ranks), "driver has torch": "torch" in sys.modules}))
+group.release()
 ray.shutdown()
 """
 
 
 @pytest.mark.ray
-def test_the_ray_raylazy_starts_has_torch_imported_in_its_workers():
+def test_the_ray_raylazy_starts_has_torch_imported_in_its_workers_not_its_driver():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch": True, "raylazy.io.backends": True}
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "worker": {"torch": True, "raylazy.io.backends": True}, "ranks": 2, "driver has torch": False}
 
 
 @pytest.mark.ray
