@@ -184,12 +184,11 @@ def init_ray(num_cpus: int) -> bool:
     logging.getLogger("raylazy").setLevel(logging.WARNING)
     if ray.is_initialized():
         return False
-    from raylazy.cluster.bundles import PRELOAD
+    from raylazy.cluster.bundles import worker_config
 
     # the workers import torch as they start, as in the local Ray raylazy.load starts itself
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-             object_store_memory=256 << 20, log_to_driver=False,
-             _system_config={"preload_python_modules": list(PRELOAD)})
+             object_store_memory=256 << 20, log_to_driver=False, _system_config=worker_config(num_cpus))
     return True
 
 

@@ -25,16 +25,25 @@ _started_gcs: str | None = None
 PRELOAD = ("torch", "raylazy.io.backends")
 
 
+def worker_config(cpus: int | None = None) -> dict:
+    """The `_system_config` of the local Ray raylazy starts: its workers import `PRELOAD` as they start, and up to
+    `cpus` (default: this machine's CPUs) idle ones are kept however many CPUs are reserved. Ray's default keeps as
+    many as there are CPUs free, so a load's placement group, reserving every CPU of a Ray raylazy started, had
+    Ray end the workers it started ahead (torch imported) just before the ranks' actors would have taken them."""
+    return {"preload_python_modules": list(PRELOAD), "num_workers_soft_limit": cpus or os.cpu_count() or 1}
+
+
 def ensure_ray() -> bool:
     """Use the Ray this process has initialised, else the cluster RAY_ADDRESS names, else start a local Ray of
-    our own (never joining a cluster by guessing), whose workers import `PRELOAD` as they start. Returns True when
-    the Ray in use is a local one that raylazy started: its CPUs are then ours to share among the ranks."""
+    our own (never joining a cluster by guessing), with `worker_config`: its workers import `PRELOAD` as they start.
+    Returns True when the Ray in use is a local one that raylazy started: its CPUs are then ours to share among
+    the ranks."""
     global _started_gcs
     import ray
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or "local"
-        starting = {"_system_config": {"preload_python_modules": list(PRELOAD)}} if address == "local" else {}
+        starting = {"_system_config": worker_config()} if address == "local" else {}
         ray.init(address=address, logging_level=logging.WARNING, **starting)
         if address == "local":
             _started_gcs = ray.get_runtime_context().gcs_address

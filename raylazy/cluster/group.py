@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigurationError, PlacementError, RankFailedError
 from .actor import RANK_METHODS, RankInfo, RankLoader
 from .bundles import describe_resources
-from .ray_internals import forget_rank
+from .ray_internals import forget_rank, transports_registered_on_use
 
 
 class Deadline:
@@ -92,7 +92,8 @@ class RankGroup:
             for r, bundle in enumerate(bundles)
         )
         try:
-            actors = list(create)
+            with transports_registered_on_use():  # no torch import on the driver between two ranks' creation
+                actors = list(create)
         except BaseException:  # e.g. a KeyboardInterrupt: removing the groups also kills the actors already created
             _remove(pgs)
             raise

@@ -8,11 +8,19 @@
   autoscaler may add nodes, so a request the cluster can never place fails at once instead of waiting out
   `placement_timeout_s`. Ray offers no public query of this (`ray.autoscaler.sdk` requests resources; it does
   not say whether anything will answer).
+- The driver's tensor-transport registration (`rdt_manager.register_custom_transports_on_actor`): creating an
+  actor of a class with tensor transport enabled registers the transports in the creating process first, which
+  imports torch there (about 2 CPU s on the driver, after the first rank's actor is submitted and before the
+  next ones are). Ray registers them anyway when a transport is first used with the actor
+  (`wait_until_custom_transports_registered`), so raylazy creates its ranks with the registration left to then
+  (`transports_registered_on_use`); Ray offers no option to defer it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 #: Namespace of raylazy's entries in Ray's internal KV.
 KV_NAMESPACE = "raylazy"
@@ -60,3 +68,18 @@ def autoscaler_can_add_nodes() -> bool:
         return False
     mapping = json.loads(raw).get("autoscaler_report", {}).get("node_type_mapping") or {}
     return any(kind != f"node_{node}" for node, kind in mapping.items())
+
+
+@contextmanager
+def transports_registered_on_use() -> Iterator[None]:
+    """Actors created in this block (by this process) register their tensor transports on first use, not at
+    creation (which imports torch here). Ray's own first-use path (`wait_until_custom_transports_registered`)
+    registers them for an actor it has no record of."""
+    import ray
+
+    manager = ray._private.worker.global_worker.rdt_manager
+    manager.register_custom_transports_on_actor = lambda actor: None  # shadows the method on this instance
+    try:
+        yield
+    finally:  # a concurrent load's block may have ended first and removed it: its creations just register
+        manager.__dict__.pop("register_custom_transports_on_actor", None)

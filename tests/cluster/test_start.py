@@ -1,5 +1,6 @@
 """A load's start: the Ray raylazy starts itself has its workers import torch and raylazy's readers as they start
-(`raylazy.cluster.bundles.PRELOAD`), and a load's end-to-end seconds split into its steps (`LoadedModel.phases`)."""
+(`raylazy.cluster.bundles.PRELOAD`), the driver imports no torch to start the ranks, and a load's end-to-end seconds
+split into its steps (`LoadedModel.phases`)."""
 
 from __future__ import annotations
 
@@ -14,28 +15,56 @@ import raylazy
 from tests.support import REPO
 
 #: Run in a process of its own (its own local Ray, started by raylazy): what a fresh worker has imported before
-#: running anything (the function is pickled by value: the worker imports nothing of this script's).
+#: running anything (the function is pickled by value: the worker imports nothing of this script's); whether two
+#: ranks reserving every CPU take the workers Ray started ahead (Ray's default ends idle workers beyond the CPUs
+#: left free); and whether the driver imported torch to start them (Ray's tensor transports would, registered at
+#: the actors' creation).
 PROBE = """
-import json, ray
+import json, sys, time, psutil, ray
 from raylazy.cluster.bundles import ensure_ray
+from raylazy.cluster.group import Deadline, RankGroup
 
 def imported():
     import sys
     return {m: m in sys.modules for m in ("torch", "raylazy.io.backends")}
 
+def idle_with_torch():
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.cmdline()[:1] == ["ray::IDLE"] and "libtorch" in open(f"/proc/{p.pid}/maps").read():
+                pids.add(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return pids
+
 assert ensure_ray()
-print(json.dumps(ray.get(ray.remote(num_cpus=0)(imported).remote(), timeout=120)))
+cpus = ray.cluster_resources()["CPU"]
+deadline = time.monotonic() + 120
+while len(idle_with_torch()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.5)
+time.sleep(2)  # idle for longer than Ray's idle_worker_killing_time_threshold_ms
+ahead = idle_with_torch()
+group = RankGroup.create([{"CPU": cpus / 2}] * 2, "cpu")
+group.wait_placed(120)
+ranks = group.refresh(Deadline(120))
+worker = ray.get(ray.remote(num_cpus=0)(imported).remote(), timeout=120)  # after: a worker that ran a task takes no actor
+print(json.dumps({"worker": worker, "ranks on workers started ahead": sum(r.pid in ahead for r in ranks),
+                  "driver has torch": "torch" in sys.modules}))
+group.release()
 ray.shutdown()
 """
 
 
 @pytest.mark.ray
-def test_the_ray_raylazy_starts_has_torch_imported_in_its_workers():
+def test_the_ray_raylazy_starts_has_ranks_on_workers_that_imported_torch_not_the_driver():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch": True, "raylazy.io.backends": True}
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "worker": {"torch": True, "raylazy.io.backends": True}, "ranks on workers started ahead": 2,
+        "driver has torch": False}
 
 
 @pytest.mark.ray
