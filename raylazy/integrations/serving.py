@@ -291,12 +291,12 @@ class Serving:
         return regions, at
 
     def _staging(self, b: int) -> dict[Region, torch.Tensor]:
-        """Batch b's staged regions as views of its ring buffer (each buffer made once, as large as the largest
-        batch needs)."""
+        """Batch b's staged regions as views of its ring buffer (each made once, as large as the largest of its
+        batches: one large batch makes one large buffer)."""
         if not self._ring:
-            size = max(self._staged(batch)[1][-1] for batch in self._batches)
-            self._ring = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                          for _ in range(min(len(self._batches), self.options.batches_ahead + 1))]
+            k = min(len(self._batches), self.options.batches_ahead + 1)
+            sizes = [max(self._staged(batch)[1][-1] for batch in self._batches[i::k]) for i in range(k)]
+            self._ring = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
         buf = self._ring[b % len(self._ring)]
         regions, at = self._staged(self._batches[b])
         return {r: buf[a : a + r.nbytes].view(torch_dtype(r.tensor.dtype)).view(r.sizes) for r, a in zip(regions, at)}
