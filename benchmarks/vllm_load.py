@@ -3,7 +3,7 @@
 Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, e.g.
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 --cache cold warm --runs 5 \
-        --formats raylazy auto runai_streamer raylazy:ranged
+        --formats raylazy auto runai_streamer raylazy:ranged --dtype bfloat16 bfloat16:float32 float32:bfloat16
 
 Runs alternate: for each repetition, for each tp and cache state, every format in turn (A B C A B C ...), so
 drift on a shared machine spreads over all formats alike. Each run is a fresh process (`--one`). Before it,
@@ -16,9 +16,12 @@ weight-loading step as each worker logs it (vLLM's loaders: "Loading weights too
 "mean request" are what /proc/diskstats saw the checkpoint's device read meanwhile (the node's reads from
 storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size.
 A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config, another format's
-(`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)` itself. The table gives medians
+(`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)` itself. `--dtype CHECKPOINT[:SERVED]` names the
+checkpoint's dtype and the dtype vLLM serves it in (the same by default; `bfloat16:float32` converts every weight
+while loading); several are alternated like the formats. The table gives medians
 (and the range) over the repetitions; every run's numbers go to stderr as JSON. The default checkpoint is the
-benchmark's 0.53 GB Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64), built on first use.
+benchmark's Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32),
+built on first use.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,7 +59,7 @@ def load_format(spec: str) -> tuple[str, dict]:
     return name, extra
 
 
-def one(model: str, spec: str, tp: int) -> dict:
+def one(model: str, spec: str, tp: int, dtype: str) -> dict:
     """In the child: time LLM(...) to the first token, and the bytes this process and the workers read."""
     import psutil
     from vllm import LLM, SamplingParams
@@ -66,7 +70,7 @@ def one(model: str, spec: str, tp: int) -> dict:
     # raylazy's options are its loader's extra config; another format's are LLM's own (its load config's, e.g.
     # auto:safetensors_load_strategy=prefetch)
     options = {"model_loader_extra_config": extra} if fmt.startswith("raylazy") else extra
-    llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
+    llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1, **options)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     ready = time.perf_counter() - t0
@@ -90,7 +94,7 @@ def prepare(files: list[str], cache: str) -> None:
                 pass
 
 
-def measure(model: str, spec: str, tp: int, cache: str, device: Device) -> dict:
+def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Device) -> dict:
     files = checkpoint_files(model)
     prepare(files, cache)
     disk0 = device.settled_reads() if device.name else None
@@ -99,9 +103,9 @@ def measure(model: str, spec: str, tp: int, cache: str, device: Device) -> dict:
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec, "--tp", str(tp),
-                           "--model", model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                           "--model", model, "--served", dtype], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     disk = device.settled_reads() - disk0 if disk0 else None
-    row = {"format": spec, "tp": tp, "cache": cache}
+    row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype)}
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if done.returncode or result is None:
         error = [line for line in done.stdout.splitlines() if "Error" in line] or done.stdout.splitlines()
@@ -120,17 +124,18 @@ def table(rows: list[dict]) -> list[str]:
             return "-"
         return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
-    out = ["| format | tp | cache | runs | ready s | load s | device read MB | mean request kB | processes read MB "
-           "| worker max MB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = list(dict.fromkeys((r["tp"], r["cache"], r["format"]) for r in rows))
-    for tp, cache, spec in keys:
-        ok = [r for r in rows if (r["tp"], r["cache"], r["format"]) == (tp, cache, spec) and "error" not in r]
-        failed = [r for r in rows if (r["tp"], r["cache"], r["format"]) == (tp, cache, spec) and "error" in r]
+    out = ["| format | tp | cache | dtype | runs | ready s | load s | device read MB | mean request kB | processes read MB "
+           "| worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows))
+    for key in keys:
+        tp, cache, dtype, spec = key
+        ok = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" not in r]
+        failed = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" in r]
         if not ok:
-            out.append(f"| {spec} | {tp} | {cache} | 0 | fails: `{failed[0]['error']}` | | | | | |")
+            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | |")
             continue
         s, mb, kb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}"), (lambda v: f"{v / 1e3:.0f}")
-        out.append(f"| {spec} | {tp} | {cache} | {len(ok)} | {med([r['ready_s'] for r in ok], s)} | "
+        out.append(f"| {spec} | {tp} | {cache} | {dtype} | {len(ok)} | {med([r['ready_s'] for r in ok], s)} | "
                    f"{med([r['load_s'] for r in ok], s)} | {med([r['disk_bytes'] for r in ok], mb)} | "
                    f"{med([r['mean_request'] for r in ok], kb)} | {med([r['read_bytes'] for r in ok], mb)} | "
                    f"{med([r['worker_max'] for r in ok], mb)} |")
@@ -147,26 +152,50 @@ def run_options(doc: str, runs: int) -> argparse.ArgumentParser:
     return ap
 
 
+def dtype_case(model: str, served: str) -> str:
+    """"bfloat16" (served in the checkpoint's dtype) or "bfloat16->float32" (converted while loading)."""
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    stored = config.get("torch_dtype") or config.get("dtype") or "?"
+    return stored if stored == served else f"{stored}->{served}"
+
+
+def checkpoints(model: str | None, cases: list[str]) -> list[tuple[str, str]]:
+    """(checkpoint directory, dtype served) for each `CHECKPOINT[:SERVED]` case; `--model` serves its own."""
+    out = []
+    for case in cases:
+        stored, _, served = case.partition(":")
+        out.append((model or ensure_checkpoint(replace(SPEC, dtype=stored)), served or stored))
+    return out
+
+
 def main(argv=None) -> int:
     ap = run_options(__doc__, runs=5)
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), help="load formats; raylazy:KEY=VALUE,... for options")
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"], metavar="CHECKPOINT[:SERVED]",
+                    help="the checkpoint's dtype and the one served (bfloat16:float32 converts while loading)")
     ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
+    ap.add_argument("--served", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    model = args.model or ensure_checkpoint(SPEC)
     if args.one:
-        print("RESULT " + json.dumps(one(model, args.one, args.tp[0])), flush=True)
+        print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
-    device = Device(checkpoint_files(model))
-    print(f"checkpoint {model}: {sum(os.path.getsize(f) for f in checkpoint_files(model)) / 1e9:.2f} GB; device "
-          f"{device.name or device.missing}; uptime before: {os.popen('uptime').read().strip()}", flush=True)
+    cases = checkpoints(args.model, args.dtype)
+    files = [f for model, _ in dict.fromkeys(cases) for f in checkpoint_files(model)]
+    device = Device(files)
+    for model, served in cases:
+        print(f"checkpoint {model}: {sum(os.path.getsize(f) for f in checkpoint_files(model)) / 1e9:.2f} GB, "
+              f"served as {served}", flush=True)
+    print(f"device {device.name or device.missing}; uptime before: {os.popen('uptime').read().strip()}", flush=True)
     rows = []
     for rep in range(args.runs):
         for tp in args.tp:
             for cache in args.cache:
-                for spec in args.formats:
-                    r = measure(model, spec, tp, cache, device)
-                    print(json.dumps({"run": rep, **r}), file=sys.stderr, flush=True)
-                    rows.append(r)
+                for model, served in cases:
+                    for spec in args.formats:
+                        r = measure(model, spec, tp, cache, served, device)
+                        print(json.dumps({"run": rep, **r}), file=sys.stderr, flush=True)
+                        rows.append(r)
     print(f"uptime after: {os.popen('uptime').read().strip()}")
     print("\n".join(table(rows)))
     return 0

@@ -31,6 +31,7 @@ class ModelSpec:
     size_gb: float = 2.0
     shard_size: str = "400MB"
     seed: int = 0
+    dtype: str = "bfloat16"  # the checkpoint's (a torch dtype's name)
 
     @property
     def head_dim(self) -> int:
@@ -53,18 +54,23 @@ class ModelSpec:
         s = self.resolved()
         return s.fixed_params() + s.layers * s.layer_params()
 
+    def nbytes(self) -> int:
+        return self.params() * _dtype(self.dtype).itemsize
+
     def key(self) -> str:
         s = asdict(self.resolved())
         s.pop("size_gb")
+        if s["dtype"] == "bfloat16":  # the key every bf16 checkpoint had before the dtype was a choice
+            s.pop("dtype")
         text = json.dumps(s, sort_keys=True)
         return (f"llama-h{self.hidden}-i{self.intermediate}-l{self.resolved().layers}-v{self.vocab}-"
                 + hashlib.sha1(text.encode()).hexdigest()[:8])
 
     def describe(self) -> str:
         s = self.resolved()
-        return (f"Llama-shaped, bf16: hidden {s.hidden}, intermediate {s.intermediate}, {s.heads} heads "
+        return (f"Llama-shaped, {s.dtype}: hidden {s.hidden}, intermediate {s.intermediate}, {s.heads} heads "
                 f"({s.kv_heads} kv, head_dim {s.head_dim}), {s.layers} layers, vocab {s.vocab}, untied lm_head; "
-                f"{self.params() / 1e9:.2f} B parameters = {self.params() * 2 / 1e9:.2f} GB; "
+                f"{self.params() / 1e9:.2f} B parameters = {self.nbytes() / 1e9:.2f} GB; "
                 f"save_pretrained(max_shard_size={s.shard_size!r})")
 
 
@@ -119,13 +125,19 @@ def build(spec: ModelSpec, out_dir: str) -> None:
         vocab_size=spec.vocab,
         tie_word_embeddings=False,
     )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=_dtype(spec.dtype))
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
             # transformers initialises norms to ones: random values everywhere make slicing bugs visible
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype))
     model.save_pretrained(out_dir, max_shard_size=spec.shard_size)
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

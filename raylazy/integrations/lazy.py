@@ -37,14 +37,19 @@ class Lens:
     def of(self, box: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         """The weight's tensor from its box as read (`sizes`: the region's; a sub-byte dtype, read as uint8
         bytes, is returned as read)."""
-        t = box
-        if self.dims != tuple(range(len(sizes))) and tuple(box.shape) == sizes:
-            kept = [d for d in self.dims if d is not None]
-            t = box.permute(kept + [d for d in range(box.ndim) if d not in kept])
-            t = t.reshape([box.shape[d] if d is not None else 1 for d in self.dims])
+        t = self.shown(box, sizes)
         if self.dtype is not None or self.device is not None:
             t = t.to(device=self.device, dtype=self.dtype)
         return t
+
+    def shown(self, box: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box in the weight's shape, in the box's dtype and device (a copy into a tensor converts as it
+        copies: nothing converted first, in a tensor of its own)."""
+        if self.dims == tuple(range(len(sizes))) or tuple(box.shape) != sizes:
+            return box
+        kept = [d for d in self.dims if d is not None]
+        t = box.permute(kept + [d for d in range(box.ndim) if d not in kept])
+        return t.reshape([box.shape[d] if d is not None else 1 for d in self.dims])
 
     @property
     def in_order(self) -> bool:

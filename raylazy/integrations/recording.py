@@ -30,8 +30,9 @@ class Copy:
     lens: Lens
 
     def do(self, box: torch.Tensor) -> torch.Tensor:
-        """The copy, from the region's `box` as read; none where the box was read into `dst` itself."""
-        src = self.lens.of(box, self.region.sizes)
+        """The copy, from the region's `box` as read, converted (dtype, device) as it is copied: one pass; none
+        where the box was read into `dst` itself."""
+        src = self.lens.shown(box, self.region.sizes)
         if (src.data_ptr(), src.stride(), src.shape, src.dtype) != (self.dst.data_ptr(), self.dst.stride(),
                                                                    self.dst.shape, self.dst.dtype):
             self.dst.copy_(src)

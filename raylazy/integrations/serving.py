@@ -4,7 +4,9 @@ on a background thread, and handing them out: to a replay of the run's deferred 
 `RegionReader` reads regions of one checkpoint, each one shard of a rank plan (its box, read exactly; whole
 tensors for fastsafetensors, the regions cut from them), its files checked once and kept open for the load.
 `Serving` reads the regions a process wants in batches, in checkpoint order, so that no process holds more than
-`batch_bytes` of regions beyond those read straight into their destination. The processes loading the checkpoint
+`batch_bytes` of regions beyond those read straight into their destination; where the takes come in batch order
+(a replay), the regions of batch b are read into ring buffer b mod (batches_ahead + 1), reused from batch to batch
+(fresh memory costs a page fault per page, about as much as the copy out of it). The processes loading the checkpoint
 at once on one node (vLLM's workers: a `NodeGroup`) cut the node's regions into the same batches, each one node
 read (`raylazy.core.schedule.node_schedule`) with the backend `raylazy.io.backends.backend_for` picks; a process
 alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own regions.
@@ -26,6 +28,7 @@ import torch
 
 from ..core.boxes import Region, batch_cuts, gathering
 from ..core.checkpoint import Checkpoint
+from ..core.dtypes import itemsize, torch_dtype
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
@@ -157,13 +160,16 @@ class Serving:
     """Reads the regions this process wants (`takes`: region -> times taken; `out`: those read straight into a
     destination) onto `device` in batches on a background thread, at most `batches_ahead` beyond the ones not yet
     fully taken unless a take waits for a later one, and hands them out (`take`, `copy_into`, `replay`). `group`:
-    the processes loading the checkpoint at once (making a Serving is then a collective). Use as a context
-    manager: leaving it stops the reader."""
+    the processes loading the checkpoint at once (making a Serving is then a collective). `ordered`: the takes
+    come in batch order (a `replay` of copies no two of whose destinations overlap), so a batch's regions may be
+    read into a reused buffer once the batch `batches_ahead + 1` before it was taken. Use as a context manager:
+    leaving it stops the reader."""
 
     def __init__(self, reads: RegionReader, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
-                 group: NodeGroup | None = None, device: str | torch.device = "cpu"):
+                 group: NodeGroup | None = None, device: str | torch.device = "cpu", ordered: bool = False):
         self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
         self._left, self._out = dict(takes), dict(out or {})
+        self._ring: list[torch.Tensor] | None = [] if ordered else None  # the reused buffers, in ordered takes
         self.stats.regions, self.stats.bytes_needed = len(takes), sum(r.nbytes for r in takes)
         self.stats.in_place_bytes = sum(r.nbytes for r in self._out)
         self.backend, self._batches, self._session = self._plan(group)
@@ -247,11 +253,14 @@ class Serving:
             with self._session as exchange:
                 for b, batch in enumerate(self._batches):
                     with self._cond:
-                        while not self._stop and b > self._wanted and b - self._taken > self.options.batches_ahead:
+                        while not self._stop and (b > self._wanted and b - self._taken > self.options.batches_ahead
+                                                   or not self._slot_free(b)):
                             self._cond.wait()
                         if self._stop:
                             raise _Stopped
                     out = {r: self._out[r] for r in batch.regions if r in self._out}
+                    if self._ring is not None:
+                        out.update(self._staging(b))
                     got = self.reads.read(batch.regions, backend=self.backend, device=self.device, out=out,
                                           plan=batch.plan, node_read=batch.node_read, exchange=exchange)
                     with self._cond:
@@ -265,6 +274,32 @@ class Serving:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _slot_free(self, b: int) -> bool:
+        """Whether batch b's ring buffer holds no region still to be taken (always, without a ring)."""
+        k = self.options.batches_ahead + 1
+        return self._ring is None or b < k or not self._batches[b - k].left
+
+    def _staged(self, batch: _Batch) -> tuple[list[Region], list[int]]:
+        """A batch's regions read into memory of their own (sub-byte dtypes aside: they get memory of their own),
+        and where each starts in its ring buffer (on a 64-byte boundary, as torch's own allocations do; last: the
+        bytes they take)."""
+        regions = [r for r in batch.regions if r not in self._out and itemsize(r.tensor.dtype)]
+        at = [0]
+        for r in regions:
+            at.append(at[-1] + -(-r.nbytes // 64) * 64)
+        return regions, at
+
+    def _staging(self, b: int) -> dict[Region, torch.Tensor]:
+        """Batch b's staged regions as views of its ring buffer (each made once, as large as the largest of its
+        batches: one large batch makes one large buffer)."""
+        if not self._ring:
+            k = min(len(self._batches), self.options.batches_ahead + 1)
+            sizes = [max(self._staged(batch)[1][-1] for batch in self._batches[i::k]) for i in range(k)]
+            self._ring = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        buf = self._ring[b % len(self._ring)]
+        regions, at = self._staged(self._batches[b])
+        return {r: buf[a : a + r.nbytes].view(torch_dtype(r.tensor.dtype)).view(r.sizes) for r, a in zip(regions, at)}
 
     def take(self, region: Region) -> torch.Tensor:
         """The region's box (waits for its batch); a region not wanted is read on its own, at once, and counted."""
@@ -297,8 +332,9 @@ class Serving:
         return Copy(dst, weight.region, weight.lens).do(self.take(weight.region))
 
     def replay(self, copies: list[Copy]) -> None:
-        """Do the recorded copies: in batch order where no two destinations overlap, else in the order recorded."""
-        if not overlapping([c.dst for c in copies]):
+        """Do the recorded copies: in batch order where no two destinations overlap (as an `ordered` serving
+        assumes), else in the order recorded."""
+        if self._ring is not None or not overlapping([c.dst for c in copies]):
             copies = sorted(copies, key=lambda c: self._batch_of[c.region])
         for c in copies:
             c.do(self.take(c.region))

@@ -27,7 +27,7 @@ from ..io.stats import Meter
 from ..storage import open_checkpoint
 from .lazy import lazy_weights
 from .options import LazyOptions, lazy_options
-from .recording import Recording, in_place, wanted
+from .recording import Recording, in_place, overlapping, wanted
 from .reload import keep, weights_for_reload
 from .report import summary
 from .serving import NodeGroup, RegionReader, Serving
@@ -96,8 +96,9 @@ class RaylazyModelLoader(BaseModelLoader):
             replay = self.options.replay and recording.replayable
             out = in_place(recording.copies, device) if replay else {}
             takes = wanted(recording.copies, None if replay else recording.opaque)
+            ordered = replay and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
             # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
-            with Serving(reads, takes, out, _workers(), device if replay else "cpu") as serving:
+            with Serving(reads, takes, out, _workers(), device if replay else "cpu", ordered) as serving:
                 if replay:
                     serving.replay(recording.copies)
                 else:

@@ -22,10 +22,10 @@ COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
 ROW = ("o_proj.weight", "down_proj.weight")
 
 
-def tp_consumer(rank: int, tp: int):
+def tp_consumer(rank: int, tp: int, dtype: torch.dtype | None = None):
     """A consumer cutting rank `rank`'s slices as tensor-parallel weight loaders do (narrow, slicing, chunk,
-    torch.narrow, a box narrowed along two dims), copying each into a tensor of its own (made on the first run);
-    returns (the consumer, its tensors, the expected cut of each full tensor)."""
+    torch.narrow, a box narrowed along two dims), copying each into a tensor of its own (made on the first run, of
+    `dtype`: the weight's by default); returns (the consumer, its tensors, the expected cut of each full tensor)."""
     params, cuts = {}, {}
 
     def consume(weights):
@@ -45,7 +45,7 @@ def tp_consumer(rank: int, tp: int):
             else:
                 part, cut = w, (lambda t: t)
             if name not in params:
-                params[name] = torch.empty(part.shape, dtype=part.dtype)
+                params[name] = torch.empty(part.shape, dtype=dtype or part.dtype)
             params[name].copy_(part)
             cuts[name] = cut
 
@@ -90,9 +90,10 @@ def moe_consumer(rank: int, tp: int, params: dict):
     return consume
 
 
-def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict):
+def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ordered=False, spy=None):
     """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
-    consumer's own tensors (a dict), which copies may be replayed into."""
+    consumer's own tensors (a dict), which copies may be replayed into; `ordered`: as the Serving's; `spy(serving)`
+    before the replay."""
     ckpt = open_checkpoint(model_dir, options.reader.storage_options)
     with RegionReader(ckpt, options) as reads:
         rec = Recording(reads.read_alone)
@@ -101,7 +102,9 @@ def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict):
         rec.check_targets(list(watch().values()))
         replay = replay and rec.replayable
         out = in_place(rec.copies, torch.device("cpu")) if replay else {}
-        with Serving(reads, wanted(rec.copies, None if replay else rec.opaque), out) as serving:
+        with Serving(reads, wanted(rec.copies, None if replay else rec.opaque), out, ordered=ordered) as serving:
+            if spy:
+                spy(serving)
             if replay:
                 serving.replay(rec.copies)
             else:
@@ -130,6 +133,26 @@ def test_regions_read_match_safetensors(llama_dir, rank, replay, options):
         assert stats.in_place_bytes == needed and stats.batches == 1  # order: read in place, nothing held
     elif options.get("batch_bytes") == 4096:
         assert stats.batches > 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
+    """Destinations of another dtype than the checkpoint's (bf16): nothing is read in place; a replay in batch order
+    reads every batch into one of batches_ahead + 1 buffers reused from batch to batch and converts as it copies,
+    leaving what safetensors' tensors converted with `.to(dtype)` are."""
+    consume, params, cuts = tp_consumer(1, 2, dtype)
+    buffers = set()
+
+    def spy(serving):
+        take = serving.take
+        serving.take = lambda region: buffers.add((t := take(region)).untyped_storage().data_ptr()) or t
+
+    rec, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, batches_ahead=1)),
+                      watch=lambda: params, ordered=True, spy=spy)
+    for name, t in reference_tensors(llama_dir).items():
+        assert params[name].dtype == dtype and torch.equal(params[name], cuts[name](t).to(dtype)), name
+    assert rec.replayable and stats.in_place_bytes == 0 and stats.batches > 10
+    assert len(buffers) <= 2
 
 
 def test_strided_regions_in_object_storage_are_fetched_as_the_cost_model_says(s3, llama_dir):
