@@ -104,6 +104,22 @@ def broken(worker, message: str) -> None:
     worker.model_runner.execute_model = fail
 
 
+def reload_default(worker) -> None:
+    """Runs in each worker: the served model's weights reloaded in place (vLLM's `reload_weights`) from what vLLM's
+    default loader reads of the same checkpoint."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    model_config = worker.vllm_config.model_config
+    weights = get_model_loader(LoadConfig(load_format="auto")).get_all_weights(model_config, worker.model_runner.get_model())
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def greedy(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def error(stage: str, e: BaseException) -> dict:
     return {"stage": stage, "message": f"{type(e).__name__}: {e}"[-2000:]}
 
@@ -143,10 +159,12 @@ def run(spec: dict, prompts: list[list[int]], max_tokens: int, ready: str | None
         if spec.get("generate", True):
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
             try:
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+                out["tokens"] = greedy(llm, prompts, params)
+                if spec.get("reload"):
+                    llm.collective_rpc(reload_default)
+                    out["reloaded_tokens"] = greedy(llm, prompts, params)
             except Exception as e:  # noqa: BLE001  (likewise)
-                out["error"] = error("generate", e)
+                out["error"] = error("reload" if out["tokens"] else "generate", e)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
