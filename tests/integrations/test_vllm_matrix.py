@@ -6,7 +6,8 @@ virtualenv by one subprocess (tests/support/vllm/engines.py), one raylazy engine
 oracles are vLLM's own: in every worker, a fresh model loaded by vLLM's default loader and one by raylazy's, every
 parameter equal by digest; and the engine's greedy tokens equal those the same engine generates once vLLM's
 in-place reload (`reload_weights`) has put the weights vLLM's default loader reads into it (an engine start
-fewer than a second engine on the default loader).
+fewer than a second engine on the default loader), or, where that reload is not the default loader's engine
+(`SECOND_ENGINE`), those of a second engine on the default loader.
 
 `ARCHS` holds every architecture whose vLLM loader reshapes or fuses weights on load (Falcon's per-kv-head q|k|v
 viewed and concatenated, Bloom's per-head q|k|v viewed and transposed, GPT-2's Conv1D transposed, GPT-BigCode's
@@ -54,10 +55,19 @@ ARCHS: dict[str, tuple[str, dict]] = {
 #: What the suite runs: Falcon (a view that regroups its fused q|k|v, read at once) and GPT-2 (Conv1D, transposed).
 SUITE = ("falcon", "gpt2")
 #: Architectures of ARCHS not compared, and why (what trying them gave).
-LEFT_OUT: dict[str, str] = {}
+LEFT_OUT = {
+    "gptj": "vLLM's default loader fails the same engine: its workers fail to initialize (test_declared_vllm.py "
+            "finds vLLM's transformers, < 5.20, refusing the config transformers 5.24 writes)",
+    "dbrx": "vLLM's default loader fails the same engine: vLLM's ModelConfig refuses the config transformers 5.24 "
+            "writes (unknown kwargs `_name_or_path`, `output_attentions`)",
+}
 #: vLLM's CPU multi-head latent attention runs in bfloat16 only.
 DTYPE = {"deepseek_v2": "bfloat16", "deepseek_v3": "bfloat16"}
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"}]
+#: Where vLLM's in-place reload of the default loader's weights does not give the default loader's engine on its CPU
+#: build (fused MoE layers: the tokens after it differ while every weight loaded fresh is equal), a second engine,
+#: on the default loader, gives the tokens.
+SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "glm4_moe")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -78,14 +88,25 @@ def serve(python: str, archs, root: Path, dtype: str | None = None, extra: dict 
     DTYPE's where named) and `extra` (model_loader_extra_config) are the engines'; with `checks`, every worker's
     fresh loads (CHECKS) and the greedy tokens before and after vLLM's reload of its default loader's weights."""
     dirs = {a: write_checkpoint(a, str(root), SIZES, ARCHS[a]) for a in archs}
-    runs = [{"model": d, "format": "raylazy", "tp": TP, "dtype": dtype or DTYPE.get(a, "float32"), "extra": extra or {},
-             "bind": "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)), "checks": CHECKS if checks else [],
-             "reload": checks} for a, d in dirs.items()]
+    def run(arch, fmt):
+        return {"model": dirs[arch], "format": fmt, "tp": TP, "dtype": dtype or DTYPE.get(arch, "float32"),
+                "extra": extra or {}, "bind": "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)),
+                "checks": CHECKS if checks and fmt == "raylazy" else [],
+                "reload": checks and fmt == "raylazy" and arch not in SECOND_ENGINE}
+
+    runs = [run(a, f) for a in dirs for f in ("raylazy", "auto") if f == "raylazy" or checks and a in SECOND_ENGINE]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1")
-    results, _ = _start(python, runs, env)
-    return dict(zip(dirs, results))
+    results, _ = _start(python, runs, env, timeout=600 * len(runs))
+    out = {}
+    for spec, result in zip(runs, results):
+        arch = Path(spec["model"]).name
+        if spec["format"] == "raylazy":
+            out[arch] = result
+        else:
+            out[arch]["reloaded_tokens"] = result["tokens"]  # the default loader's engine's
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +114,16 @@ def served(request, vllm_python, tmp_path_factory) -> dict[str, dict]:  # noqa: 
     return serve(vllm_python, _selected(request.config), tmp_path_factory.mktemp("vllm_matrix"))
 
 
-def _served(served: dict, arch: str) -> dict:
-    """The engine's result once it started and generated; fails with vLLM's error otherwise (each architecture
-    here runs with vLLM's default loader: LEFT_OUT names those that do not)."""
+def _served(served: dict, arch: str, generated: bool = True) -> dict:
+    """The engine's result once it started (and, `generated`, generated). Where vLLM's default loader fails the
+    same engine at the same stage on this CPU (its probe: docs/testing.md, "What depends on the CPU") the test skips
+    with vLLM's error; where only raylazy's engine failed it fails."""
     result = served[arch]
-    error = result["error"]
-    probe = (result.get("probe") or {}).get("error")
-    assert error is None, f"{arch}: {error}; vLLM's default loader: {probe or 'runs the same engine'}"
+    error, probe = result["error"], (result.get("probe") or {}).get("error")
+    if error and (generated or error["stage"] in ("start", "crash")):
+        if probe and probe["stage"] == error["stage"] != "crash":
+            pytest.skip(f"vLLM's default loader fails the same engine on this CPU: {probe['message'][:300]}")
+        pytest.fail(f"{arch}: {error}; vLLM's default loader: {probe or 'runs the same engine'}", pytrace=False)
     assert not result["check_errors"], result["check_errors"]
     return result
 
@@ -107,7 +131,7 @@ def _served(served: dict, arch: str) -> dict:
 @pytest.mark.matrix
 def test_every_workers_weights_are_the_default_loaders(served, arch):
     """Every parameter of every worker, loaded by raylazy, equals by digest the one vLLM's default loader loads."""
-    _same_weights(_served(served, arch)["checks"], "raylazy", TP)
+    _same_weights(_served(served, arch, generated=False)["checks"], "raylazy", TP)
 
 
 @pytest.mark.matrix
@@ -122,6 +146,6 @@ def test_greedy_tokens_are_the_default_loaders(served, arch):
 def test_each_worker_reports_its_load(served, arch):
     """Each worker logs its load (raylazy/integrations/report.py): replayed, its parameters' bytes counted, and a
     region read at once only where a loader's op cannot be followed (OPAQUE)."""
-    lines = _served(served, arch)["lines"]
+    lines = _served(served, arch, generated=False)["lines"]
     assert [s["rank"] for s in lines] == list(range(TP))
     assert all(s["mode"] == "replay" and s["param_bytes"] > 0 and s["unplanned_regions"] == 0 for s in lines), lines
