@@ -41,6 +41,7 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "gptj": ("gptj", {}),
     "opt": ("opt", {"ffn_dim": 256, "word_embed_proj_dim": 128}),
     "stablelm": ("stablelm", {}),
+    "phimoe": "vLLM's default loader fails the same engine: its workers fail to initialize",
     "dbrx": ("dbrx", {"d_model": 128, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
                       "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
                       "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}),
@@ -67,7 +68,7 @@ CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "ray
 #: Where vLLM's in-place reload of the default loader's weights does not give the default loader's engine on its CPU
 #: build (fused MoE layers: the tokens after it differ while every weight loaded fresh is equal), a second engine,
 #: on the default loader, gives the tokens.
-SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "glm4_moe")
+SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
