@@ -118,6 +118,7 @@ OWN_PROCESSES = (
     "tests/integrations/test_vllm.py",  # vLLM's engines, in vLLM's virtualenv
     "tests/integrations/test_declared_vllm.py",
     "tests/integrations/test_vllm_reload.py",
+    "tests/integrations/test_vllm_matrix.py",
     "tests/core/test_declared.py",  # transformers' tensor-parallel loading under torchrun
     "tests/examples/",  # a Ray job, the notebook and the fake autoscaler, each on a Ray of its own
     "tests/cluster/test_node_loss.py",  # a four-node Ray in a subprocess

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -100,18 +101,19 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("arch", _selected(metafunc.config))
 
 
-def write_checkpoint(arch: str, root: str, sizes: dict | None = None) -> str:
+def write_checkpoint(arch: str, root: str, sizes: dict | None = None, model_type: tuple[str, dict] | None = None) -> str:
     """`arch` written by transformers' save_pretrained in shards, every parameter drawn at random (seeded); `sizes`
-    replace SMALL's."""
+    replace SMALL's; `model_type`: (model type, sizes beyond, None dropping one) for an architecture ARCHS does not
+    name."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model_type, extra = ARCHS[arch]
-    config = AutoConfig.for_model(model_type, **{**SMALL, **(sizes or {}), **extra})
+    kind, extra = model_type or ARCHS[arch]
+    config = AutoConfig.for_model(kind, **{k: v for k, v in {**SMALL, **(sizes or {}), **extra}.items() if v is not None})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(sorted(ARCHS).index(arch))
+    generator = torch.Generator().manual_seed(zlib.crc32(arch.encode()))
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
             p.copy_(torch.randn(p.shape, generator=generator).to(p.dtype))

@@ -148,7 +148,7 @@ def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
             + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
 
 
-def _start(python: str, runs: list[dict], env: dict) -> tuple[list[dict], dict | None]:
+def _start(python: str, runs: list[dict], env: dict, timeout: int = 2300) -> tuple[list[dict], dict | None]:
     """The result of each run (tests/support/vllm/engines.py) and what its first process printed of vLLM's plugins
     (PLUGINS). Each result has `lines`: the numbers of the loader's log lines of the
     engine's own load, one per rank, in rank order. A process that dies (or hangs) is reported against the run it
@@ -161,10 +161,10 @@ def _start(python: str, runs: list[dict], env: dict) -> tuple[list[dict], dict |
             out = subprocess.run([python, str(REPO / "tests" / "support" / "vllm" / "engines.py"), "--runs", json.dumps(rest),
                                   "--prompts", json.dumps(PROMPTS), "--max-tokens", str(MAX_TOKENS)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                 timeout=2300).stdout
+                                 timeout=timeout).stdout
             why = "the engines' process exited"
         except subprocess.TimeoutExpired as e:
-            out, why = (e.stdout or b"").decode(errors="replace"), "the engines' process hung (killed after 2300 s)"
+            out, why = (e.stdout or b"").decode(errors="replace"), f"the engines' process hung (killed after {timeout} s)"
         got, lines, own = [], [], []
         for line in out.splitlines():
             if line.startswith("READY "):

@@ -6,8 +6,10 @@ first run, one line `PLUGINS` and JSON: what vLLM's plugin loading makes of the 
 A run is a JSON object: `model`, `format`, `tp`, `pp` (default 1), `ep` (enable_expert_parallel), `dtype`
 (default float32), `bind` (VLLM_CPU_OMP_THREADS_BIND for its workers; none: vLLM's own), `extra`
 (model_loader_extra_config), `generate` (default true: vLLM's CPU build cannot generate with pipeline or expert
-parallelism, whatever the load format; false: no tokens) and `checks`: loads each worker of the engine also
-makes of a fresh copy of the model (the weights as the loader leaves them, before vLLM's CPU post-processing
+parallelism, whatever the load format; false: no tokens), `reload` (true: after generating, every worker reloads
+the served model in place, vLLM's `reload_weights`, from what vLLM's default loader reads of the same checkpoint,
+and the engine generates again: `reloaded_tokens`, the default loader's weights' tokens) and `checks`: loads
+each worker of the engine also makes of a fresh copy of the model (the weights as the loader leaves them, before vLLM's CPU post-processing
 repacks the linear layers and empties their parameters), each `{"name", "format", "extra", "cold"}`. A check's result holds, per rank, a
 sha256 of every parameter, the parameters' elements, and what the worker's process read during the loader's
 `load_weights`, measured from /proc/self/io (`rchar`: bytes its read calls returned; `read_bytes`: bytes it
@@ -15,7 +17,7 @@ made the storage read, for a `cold` check, whose checkpoint pages the engine pro
 numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank
 0 is fed its neighbour's bytes (peer_loader.py).
 
-An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start" or "generate",
+An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start", "generate" or "reload",
 "message": vLLM's error}), a check that fails its own in `check_errors`, and the next run starts. The checks
 run before `generate`, so an engine whose generation vLLM cannot run on this CPU still has its weights checked.
 An engine that failed is started again on vLLM's default loader, its `probe`: whether vLLM itself can run it.
@@ -104,6 +106,22 @@ def broken(worker, message: str) -> None:
     worker.model_runner.execute_model = fail
 
 
+def reload_default(worker) -> None:
+    """Runs in each worker: the served model's weights reloaded in place (vLLM's `reload_weights`) from what vLLM's
+    default loader reads of the same checkpoint."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    model_config = worker.vllm_config.model_config
+    weights = get_model_loader(LoadConfig(load_format="auto")).get_all_weights(model_config, worker.model_runner.get_model())
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def greedy(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def error(stage: str, e: BaseException) -> dict:
     return {"stage": stage, "message": f"{type(e).__name__}: {e}"[-2000:]}
 
@@ -143,10 +161,12 @@ def run(spec: dict, prompts: list[list[int]], max_tokens: int, ready: str | None
         if spec.get("generate", True):
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
             try:
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+                out["tokens"] = greedy(llm, prompts, params)
+                if spec.get("reload"):
+                    llm.collective_rpc(reload_default)
+                    out["reloaded_tokens"] = greedy(llm, prompts, params)
             except Exception as e:  # noqa: BLE001  (likewise)
-                out["error"] = error("generate", e)
+                out["error"] = error("reload" if out["tokens"] else "generate", e)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
