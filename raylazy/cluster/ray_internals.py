@@ -74,10 +74,14 @@ def autoscaler_can_add_nodes() -> bool:
 def transports_registered_on_use() -> Iterator[None]:
     """Actors created in this block (by this process) register their tensor transports on first use, not at
     creation (which imports torch here). Ray's own first-use path (`wait_until_custom_transports_registered`)
-    registers them for an actor it has no record of."""
+    registers them for an actor it has no record of. A Ray without that registration (other versions) creates
+    its actors as it does."""
     import ray
 
-    manager = ray._private.worker.global_worker.rdt_manager
+    manager = getattr(ray._private.worker.global_worker, "rdt_manager", None)
+    if not hasattr(manager, "register_custom_transports_on_actor"):
+        yield
+        return
     manager.register_custom_transports_on_actor = lambda actor: None  # shadows the method on this instance
     try:
         yield
