@@ -795,6 +795,7 @@ def test_planning_hands_the_garbage_collector_back_as_it_found_it(llama_dir):
     try:
         frozen = gc.get_freeze_count()
         make_plan(llama_dir, 2)
-        assert gc.isenabled() and gc.get_freeze_count() == frozen
+        # still frozen (an unfreeze empties it), and nothing of planning's added (a frozen object freed meanwhile leaves)
+        assert gc.isenabled() and 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
