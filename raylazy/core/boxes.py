@@ -42,6 +42,18 @@ class Region:
         """Where the region lies in the checkpoint: regions sort in file and byte order."""
         return self.file, self.tensor.start, self.starts, self.sizes
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """(first byte, end byte) in its file of the bytes between the box's first element and its last (the box
+        and, where it is strided, the gaps between its rows); whole bytes around sub-byte elements."""
+        t, bits = self.tensor, DTYPE_BITS[self.tensor.dtype]
+        if 0 in self.sizes:
+            return t.start, t.start
+        strides = [prod(t.shape[d + 1 :]) for d in range(len(t.shape))]
+        first = sum(a * s for a, s in zip(self.starts, strides))
+        last = sum((a + n - 1) * s for a, n, s in zip(self.starts, self.sizes, strides))
+        return t.start + first * bits // 8, t.start + -(-(last + 1) * bits // 8)
+
     def narrow(self, dim: int, start: int, length: int) -> Region:
         """The region narrowed along box dim `dim` (already non-negative) to [start, start + length)."""
         size = self.sizes[dim]

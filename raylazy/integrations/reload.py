@@ -76,9 +76,12 @@ class _Run:
         self.serving, self.fail, self.taken = serving, fail, Counter()
 
     def take(self, region: Region) -> torch.Tensor:
+        return self._get(region, self.serving.take)
+
+    def _get(self, region: Region, how) -> torch.Tensor:
         self.taken[key(region)] += 1
         try:
-            return self.serving.take(region)
+            return how(region)
         except BaseException as e:  # noqa: BLE001  (re-raised by `fail` as a ReloadError)
             self.fail(e)
 
@@ -93,7 +96,7 @@ class _Run:
     def copy_into(self, dst: torch.Tensor, weight) -> torch.Tensor:
         if dst.is_meta:
             return dst.copy_(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
-        return Copy(dst, weight.region, weight.lens).do(self.take(weight.region))
+        return Copy(dst, weight.region, weight.lens).do(self._get(weight.region, self.serving.box))
 
 
 def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint, group: NodeGroup | None, logger):

@@ -9,7 +9,11 @@ tensors for fastsafetensors, the regions cut from them), its files checked once 
 (fresh memory costs a page fault per page, about as much as the copy out of it). The processes loading the checkpoint
 at once on one node (vLLM's workers: a `NodeGroup`) cut the node's regions into the same batches, each one node
 read (`raylazy.core.schedule.node_schedule`) with the backend `raylazy.io.backends.backend_for` picks; a process
-alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own regions.
+alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own regions. Cooperatively (the node's
+processes on one local file system, on the CPU) nothing is read ahead: each region is a view of its file's mapping
+(`raylazy.io.cooperative.mapped_box`), and a copy out of it into its destination, converting as it copies, is the
+only pass over its bytes, its page faults reading them once for the node (the page cache), as vLLM's own loader
+copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
 from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
+from ..io.cooperative import box_mappable, mapped, mapped_box, populating
 from ..storage import open_planned_files, storage_for
 from .lazy import LazyWeight
 from .options import LazyOptions
@@ -170,9 +175,15 @@ class Serving:
         self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
         self._left, self._out = dict(takes), dict(out or {})
         self._ring: list[torch.Tensor] | None = [] if ordered else None  # the reused buffers, in ordered takes
+        self._maps: dict[int, torch.Tensor] | None = None  # file -> its mapping, where regions are copied out of it
+        self._reads_in_place = False  # whether, then, the regions read straight into their destination still are
         self.stats.regions, self.stats.bytes_needed = len(takes), sum(r.nbytes for r in takes)
         self.stats.in_place_bytes = sum(r.nbytes for r in self._out)
         self.backend, self._batches, self._session = self._plan(group)
+        if self._maps is not None:
+            mapped_bytes = sum(r.nbytes for r in takes if self._copied(r))
+            self.stats.in_place_bytes += mapped_bytes - sum(r.nbytes for r in self._out if self._copied(r))
+            self.stats.planned_bytes_read += mapped_bytes
         self.stats.backend, self.stats.batches = self.backend, len(self._batches)
         self._batch_of = {r: b for b, batch in enumerate(self._batches) for r in batch.regions}
         self._ready: dict[Region, torch.Tensor] = {}
@@ -182,16 +193,25 @@ class Serving:
         self._stop = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="raylazy-lazy-reader", daemon=True)
+        self._populating = ExitStack()
 
     def _held(self) -> dict[Region, int]:
-        return {r: 0 if r in self._out else r.nbytes for r in self._left}
+        return {r: 0 if r in self._out else r.nbytes for r in self._left
+                if not self._copied(r)}
 
     def _plan(self, group: NodeGroup | None) -> tuple[str, list[_Batch], object]:
         """(backend, batches, the context the reader thread reads in): alone, or with the node's processes."""
         requested = self.options.reader.backend
         budget = self.options.batch_bytes if requested != "fastsafetensors" else float("inf")
         if group is None or group.size < 2 or requested not in ("auto", *NODE_BACKENDS):
-            return self._alone(solo_backend(requested), budget)
+            # alone, "auto" copies out of the mappings too, but reads what a destination takes as it is with
+            # ranged reads (many requests in flight, one pass), as "ranged" would (docs/vllm.md, "Backends")
+            alone = backend_for("cooperative" if requested == "auto" else requested, 1, self.device, self.reads.files,
+                                self.reads.storage)
+            if alone != "cooperative":
+                return self._alone(solo_backend(requested), budget)
+            self._reads_in_place = requested == "auto"
+            return self._copied_out(budget)
         tensors = list(self.reads.ckpt.tensors())
         index = {t.name: i for i, (_, t) in enumerate(tensors)}
         me = _Peer(node_key(), serve_rendezvous("127.0.0.1"), uuid.uuid4().hex,
@@ -204,6 +224,8 @@ class Serving:
         if backend not in NODE_BACKENDS:
             return self._alone(backend, budget)
         self.stats.node_processes = len(here)
+        if backend == "cooperative":
+            return self._copied_out(budget)
         wants = [{Region(*tensors[i], starts, sizes): held for i, starts, sizes, held in peers[p].wants} for p in here]
         first, local = peers[here[0]], here.index(group.rank)
         batches = [self._node_batch(cut, local, backend, f"{first.load_id}-{b}", first.address)
@@ -218,6 +240,12 @@ class Serving:
         """This process reading its own regions with `backend`, in batches of `budget` held bytes."""
         return backend, [_Batch(b[0], len(b[0])) for b in batch_cuts([self._held()], budget)], nullcontext()
 
+    def _copied_out(self, budget: float) -> tuple[str, list[_Batch], object]:
+        """Cooperative: the regions copied out of the files' mappings; the others (those no view shows, and those
+        read in place where they still are) read alone with ranged reads, in batches."""
+        self._maps = {}
+        return "cooperative", self._alone("ranged", budget)[1], nullcontext()
+
     def _node_batch(self, cut: list[list[Region]], local: int, backend: str, load_id: str, address: str) -> _Batch:
         """A batch as local process `local` reads it with the node (`backend`): its plan, the node's read."""
         mesh = Mesh(tp=len(cut))
@@ -230,6 +258,11 @@ class Serving:
         return _Batch(cut[local], len(cut[local]), plans[local], node_read(backend, plan, sched, load_id, address))
 
     def __enter__(self) -> Serving:
+        if self._maps is not None:  # the regions copied out of the mappings brought in ahead, in checkpoint order
+            spans = _merged(sorted((r.file, *r.span) for r in self._left if self._copied(r)))
+            reader = self.options.reader
+            self._populating.enter_context(populating([(self._mapping(f), a, b) for f, a, b in spans],
+                                                      reader.threads, reader.chunk_bytes))
         self._thread.start()
         return self
 
@@ -238,6 +271,7 @@ class Serving:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
+        self._populating.close()
 
     def drain(self) -> None:
         """Read every batch left and stop the reader (takes may then come after the serving is left)."""
@@ -301,8 +335,36 @@ class Serving:
         regions, at = self._staged(self._batches[b])
         return {r: buf[a : a + r.nbytes].view(torch_dtype(r.tensor.dtype)).view(r.sizes) for r, a in zip(regions, at)}
 
+    def _mapped_box(self, region: Region) -> torch.Tensor | None:
+        """The region's box as a view of its file's mapping, where regions are copied out of it and a view shows it."""
+        if not self._copied(region):
+            return None
+        return mapped_box(self._mapping(region.file), region)
+
+    def _copied(self, region: Region) -> bool:
+        """Whether the region is copied out of its file's mapping."""
+        return self._maps is not None and box_mappable(region) and not (self._reads_in_place and region in self._out)
+
+    def _mapping(self, file: int) -> torch.Tensor:
+        if file not in self._maps:
+            self._maps[file] = mapped(self.reads.sources([file])[file])
+        return self._maps[file]
+
+    def box(self, region: Region) -> torch.Tensor:
+        """The region's box to copy out of, not to keep: a view of the file's mapping, else as read (`take`)."""
+        box = self._mapped_box(region)
+        return self.take(region) if box is None else box
+
     def take(self, region: Region) -> torch.Tensor:
-        """The region's box (waits for its batch); a region not wanted is read on its own, at once, and counted."""
+        """The region's box (waits for its batch; out of the file's mapping, into memory of its own, where regions
+        are copied out of it); a region not wanted is read on its own, at once, and counted."""
+        with self._cond:
+            wanted = self._left.get(region)
+        if (box := self._mapped_box(region)) is not None:
+            if not wanted:
+                self.stats.unplanned_regions += 1
+                self.stats.unplanned_bytes += region.nbytes
+            return box.clone()  # a consumer may write into what it takes: not into the mapping others copy from
         with self._cond:
             if self._left.get(region):
                 return self._take_wanted(region)
@@ -329,15 +391,26 @@ class Serving:
         return self._ready.pop(region)
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
-        return Copy(dst, weight.region, weight.lens).do(self.take(weight.region))
+        return Copy(dst, weight.region, weight.lens).do(self.box(weight.region))
 
     def replay(self, copies: list[Copy]) -> None:
-        """Do the recorded copies: in batch order where no two destinations overlap (as an `ordered` serving
-        assumes), else in the order recorded."""
+        """Do the recorded copies: in batch order (out of the files' mappings: in checkpoint order) where no two
+        destinations overlap (as an `ordered` serving assumes), else in the order recorded."""
         if self._ring is not None or not overlapping([c.dst for c in copies]):
-            copies = sorted(copies, key=lambda c: self._batch_of[c.region])
+            copies = sorted(copies, key=lambda c: (self._batch_of.get(c.region, -1), c.region.order))
         for c in copies:
-            c.do(self.take(c.region))
+            c.do(self.box(c.region))
+
+
+def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Sorted (file, first byte, end byte) spans, those that touch or overlap merged."""
+    out: list[tuple[int, int, int]] = []
+    for f, a, b in spans:
+        if out and out[-1][0] == f and a <= out[-1][2]:
+            out[-1] = (f, out[-1][1], max(b, out[-1][2]))
+        else:
+            out.append((f, a, b))
+    return out
 
 
 class _Stopped(Exception):

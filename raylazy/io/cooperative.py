@@ -33,6 +33,10 @@ checked against the plan first (FileChangedError); a file truncated while mapped
 process (SIGBUS), which Ray then restarts and the check catches. Only local files can be mapped: for
 other storages the driver picks the exchange instead (`raylazy.io.backends.backend_for`).
 
+A consumer that copies out of the files itself (vLLM's weight loaders, `raylazy.integrations.serving`) takes
+each box as a view of a file's mapping (`mapped`, `mapped_box`): the copy into its destination, converting as
+it copies, is the only pass over its bytes; `populating` brings the bytes in ahead of those copies.
+
 On a GPU device the keeps are copied from the mapping to the device one by one (correct, not fast):
 the driver's "auto" choice uses cooperative reads for CPU ranks only; the GPU exchange (stripes to the
 reader's GPU, then NCCL to the keepers) is a separate path.
@@ -52,6 +56,8 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
+from ..core.boxes import Region
+from ..core.dtypes import itemsize, torch_dtype
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, RankPlan
 from ..core.schedule import NodeRead, rank_keeps
@@ -121,12 +127,12 @@ def read_rank_cooperative(
     return shards_of(plan, buffers), stats
 
 
-def _check_local(plan: RankPlan, sources: dict[int, Source]) -> None:
+def _check_local(plan: RankPlan | None, sources: dict[int, Source]) -> None:
     """Only local files can be mapped (the driver reads other storages through the exchange)."""
     for f, source in sources.items():
         if not isinstance(source, LocalSource):
-            raise ConfigurationError(f"{plan.files[f].uri}: cooperative reads map local files only: use "
-                                     "backend='ranged'")
+            raise ConfigurationError(f"{plan.files[f].uri if plan else source.uri}: cooperative reads map local "
+                                     "files only: use backend='ranged'")
 
 
 @contextmanager
@@ -279,6 +285,61 @@ def _mapped(torch, source: LocalSource):
 
     mm = mmap.mmap(source.fd, 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable views, nothing ever written
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+def mapped(source: Source):
+    """The whole of a local file as a uint8 tensor over a private mapping of it (`_mapped`): its pages are read
+    (once for the node: the page cache) as they are first used. ConfigurationError for a file not local."""
+    import torch
+
+    _check_local(None, {0: source})
+    return _mapped(torch, source)
+
+
+def mapped_box(mapping, region: Region):
+    """The region's box (`raylazy.core.boxes.Region`) as a view of its file's mapping (`mapped`), in its dtype and
+    shape: nothing is read until its bytes are used. None where a view cannot show it (a sub-byte dtype; a tensor
+    not aligned to its element size in the file)."""
+    if not box_mappable(region):
+        return None
+    t = region.tensor
+    full = mapping[t.start : t.end].view(torch_dtype(t.dtype)).view(t.shape)
+    return full[tuple(slice(a, a + n) for a, n in zip(region.starts, region.sizes))]
+
+
+@contextmanager
+def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[None]:
+    """`threads` threads bringing byte spans of files' mappings into memory ahead of the copies out of them: each
+    (mapping from `mapped`, first byte, end byte), in the order given, cut into chunks of `chunk_bytes`, each one
+    madvise(MADV_POPULATE_READ) of the mapping itself: large requests, several in flight, and the page tables
+    filled (a copy out of the mapping then takes no page fault). A page a copy needs first is read by the copy's
+    own fault; a populate cannot go wrong but early: where the kernel cannot (before Linux 5.14) or one fails, the
+    threads stop and the copies read the rest. On leaving, they stop after their current chunk."""
+    stop = threading.Event()
+    todo = iter([(m.data_ptr(), a, min(hi, a + chunk_bytes)) for m, lo, hi in spans
+                 for a in range(lo - lo % mmap.PAGESIZE, hi, chunk_bytes)])
+
+    def populate() -> None:
+        for base, a, b in todo:  # next() on a shared list iterator is atomic under the GIL
+            if stop.is_set() or not _POPULATE or _libc.madvise(base + a, b - a, _POPULATE):
+                return
+
+    workers = [threading.Thread(target=populate, name="raylazy-populate", daemon=True)
+               for _ in range(threads if spans else 0)]
+    for w in workers:
+        w.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+
+
+def box_mappable(region: Region) -> bool:
+    """Whether `mapped_box` shows the region (whole elements, aligned in the file)."""
+    size = itemsize(region.tensor.dtype)
+    return bool(size) and region.tensor.start % size == 0
 
 
 def _copy_keep(flat, src, part) -> None:

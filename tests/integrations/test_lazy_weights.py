@@ -5,6 +5,7 @@ bytes are read; its copies, replayed, or a second run of it, leave exactly what 
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, in_place, wanted
 from raylazy.integrations.report import LazyStats, fields, summary
 from raylazy.integrations.serving import RegionReader, Serving
-from raylazy.storage import open_checkpoint, verified
+from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support.checkpoints import build_checkpoint, reference_tensors
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
@@ -90,10 +91,10 @@ def moe_consumer(rank: int, tp: int, params: dict):
     return consume
 
 
-def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ordered=False, spy=None):
+def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ordered=False, spy=None, group=None):
     """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
     consumer's own tensors (a dict), which copies may be replayed into; `ordered`: as the Serving's; `spy(serving)`
-    before the replay."""
+    before the replay; `group`: the node's processes loading with this one (`NodeGroup`)."""
     ckpt = open_checkpoint(model_dir, options.reader.storage_options)
     with RegionReader(ckpt, options) as reads:
         rec = Recording(reads.read_alone)
@@ -102,7 +103,8 @@ def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ord
         rec.check_targets(list(watch().values()))
         replay = replay and rec.replayable
         out = in_place(rec.copies, torch.device("cpu")) if replay else {}
-        with Serving(reads, wanted(rec.copies, None if replay else rec.opaque), out, ordered=ordered) as serving:
+        with Serving(reads, wanted(rec.copies, None if replay else rec.opaque), out, group,
+                     ordered=ordered) as serving:
             if spy:
                 spy(serving)
             if replay:
@@ -114,7 +116,8 @@ def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ord
 
 @pytest.mark.parametrize("options", [
     dict(),
-    dict(batch_bytes=4096, batches_ahead=0, threads=1),  # one batch per region or so, none read ahead
+    dict(batch_bytes=4096, batches_ahead=0, threads=1, backend="ranged"),  # a batch per region or so, none ahead
+    dict(backend="cooperative"),  # every region copied out of the files' mappings
     dict(backend="fastsafetensors"),
 ])
 @pytest.mark.parametrize("replay", [True, False])
@@ -129,8 +132,12 @@ def test_regions_read_match_safetensors(llama_dir, rank, replay, options):
     needed = sum(p.numel() * p.element_size() for p in params.values())
     assert stats.bytes_needed == needed < sum(t.numel() * t.element_size() for t in ref.values())
     assert stats.unplanned_regions == 0 and not rec.opaque
-    if replay and options.get("backend") != "fastsafetensors":  # every destination holds its box's bytes in
-        assert stats.in_place_bytes == needed and stats.batches == 1  # order: read in place, nothing held
+    backend = options.get("backend", "auto")
+    # alone on a local disk, "auto" copies out of the files' mappings, but what a destination takes as it is read
+    assert stats.backend == ("cooperative" if backend == "auto" else backend)
+    if replay and backend != "fastsafetensors":  # every destination holds its box's bytes in order: read in
+        assert stats.in_place_bytes == needed  # place, or copied straight out of the mapping: nothing held
+        assert stats.batches == (0 if backend == "cooperative" else 1)
     elif options.get("batch_bytes") == 4096:
         assert stats.batches > 10
 
@@ -147,12 +154,84 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
         take = serving.take
         serving.take = lambda region: buffers.add((t := take(region)).untyped_storage().data_ptr()) or t
 
-    rec, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, batches_ahead=1)),
+    rec, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, batches_ahead=1, backend="ranged")),
                       watch=lambda: params, ordered=True, spy=spy)
     for name, t in reference_tensors(llama_dir).items():
         assert params[name].dtype == dtype and torch.equal(params[name], cuts[name](t).to(dtype)), name
     assert rec.replayable and stats.in_place_bytes == 0 and stats.batches > 10
     assert len(buffers) <= 2
+
+
+class _Threads:
+    """A node's `size` processes as threads of this one (`NodeGroup`s: `member(rank)`), all_gather over a barrier."""
+
+    def __init__(self, size: int):
+        self.size, self._got, self._barrier = size, [None] * size, threading.Barrier(size, timeout=60)
+
+    def member(self, rank: int):
+        threads = self
+
+        class Member:
+            def all_gather(self, obj) -> list:
+                threads._got[rank] = obj
+                threads._barrier.wait()
+                out = list(threads._got)
+                threads._barrier.wait()
+                return out
+
+        m = Member()
+        m.rank, m.size = rank, self.size
+        return m
+
+
+@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_a_node_copies_straight_out_of_the_files_mappings(llama_dir, monkeypatch, replay, dtype):
+    """Two workers of one node on a local file system (threads here): no read call but the recording's (for the
+    op it cannot follow); every region is copied (converted, where the destination's dtype differs) out of the file's mapping into
+    its destination, with safetensors' cut of each tensor as the result. A consumer writing into a weight it took
+    whole (an op raylazy cannot follow) writes into memory of its own: a later copy of the same region out of the
+    mapping is the checkpoint's."""
+    reads = []
+    real = LocalSource.readinto
+    monkeypatch.setattr(LocalSource, "readinto", lambda self, offset, bufs: reads.append(offset) or real(self, offset, bufs))
+    group, results = _Threads(2), {}
+
+    def worker(rank: int) -> None:
+        consume, params, cuts = tp_consumer(rank, 2, dtype)
+
+        def consume_and_scale(weights):
+            rest = []
+            for name, w in weights:
+                if name.endswith("post_attention_layernorm.weight"):
+                    again = w[:]
+                    params[name + ".scaled"] = w.mul_(2)  # read at once, written in place
+                    params.setdefault(name, torch.empty(w.shape, dtype=dtype or w.dtype)).copy_(again)
+                    cuts[name] = cuts[name + ".scaled"] = lambda t: t
+                else:
+                    rest.append((name, w))
+            consume(rest)
+
+        results[rank] = (params, cuts, *_run(llama_dir, consume_and_scale, replay=replay, group=group.member(rank),
+                                             watch=lambda: {k: v for k, v in params.items() if "scaled" not in k}))
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ref = reference_tensors(llama_dir)
+    for params, cuts, _, stats in results.values():
+        for name, p in params.items():
+            want = cuts[name](ref[name.removesuffix(".scaled")]).to(dtype or p.dtype)
+            assert torch.equal(p, want * 2 if name.endswith(".scaled") else want), name
+        needed = sum(p.numel() * p.element_size() // (2 if dtype else 1) for n, p in params.items()
+                     if "scaled" not in n)
+        assert (stats.backend, stats.node_processes, stats.batches) == ("cooperative", 2, 0)
+        assert stats.bytes_needed == stats.in_place_bytes == needed and stats.unplanned_regions == 0
+    # read calls: the recording's takes for the op it cannot follow (read alone, at once), and no other
+    opaque = [r.tensor.start for *_, rec, _ in results.values() for r in rec.opaque]
+    assert len(results) == 2 and opaque and sorted(reads) == sorted(opaque)
 
 
 def test_strided_regions_in_object_storage_are_fetched_as_the_cost_model_says(s3, llama_dir):
@@ -280,7 +359,8 @@ def test_each_file_is_checked_once_per_load(llama_dir, monkeypatch):
     real = verified.open_verified
     monkeypatch.setattr(verified, "open_verified", lambda ref, *a: opened.append(ref.uri) or real(ref, *a))
     consume, params, _ = tp_consumer(0, 2)
-    _, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096)), replay=False, watch=lambda: params)
+    _, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, backend="ranged")), replay=False,
+                    watch=lambda: params)
     assert stats.batches > 10
     assert sorted(opened) == sorted(set(opened)) and len(opened) == len(open_checkpoint(llama_dir).files)
 

@@ -58,7 +58,7 @@ def _runs(m: dict[str, str]) -> list[dict]:
             {"model": m["llama1"], "tp": 1, "format": "auto"},
             {"model": m["llama0"], "tp": 2, "bind": "0|1", **raylazy, "steps": tp2},
             {"model": m["llama2"], "tp": 2, "bind": "0|1", "format": "auto"},
-            {"model": m["moe0"], "tp": 2, "bind": "0|1", **raylazy, "steps": moe}]
+            {"model": m["moe0"], "tp": 2, "bind": "0|1", "format": "raylazy", "steps": moe}]  # the default backend
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +118,10 @@ def test_reload_at_tp2_reads_each_workers_regions_and_the_nodes_union_once(runs,
 
 
 def test_a_changed_layout_is_recorded_afresh_then_reused(runs):
-    """Qwen3-MoE at tp=2, its experts fused on disk, reloaded from a checkpoint with one tensor per expert: that
-    reload records afresh (each region read as taken), the next one reuses it; the weights are the default
-    loader's each time and the logprobs change each step."""
+    """Qwen3-MoE at tp=2 (the default backend: copied out of the files' mappings), its experts fused on disk,
+    reloaded from a checkpoint with one tensor per expert: that reload records afresh (each region read as
+    taken), the next one reuses it; the weights are the default loader's each time and the logprobs change each
+    step."""
     run = runs[4]
     afresh, reused = run["steps"]
     for step in (afresh, reused):
@@ -128,6 +129,7 @@ def test_a_changed_layout_is_recorded_afresh_then_reused(runs):
         _same_weights(step)
     assert [line["mode"] for line in afresh["lines"]] == ["reload-recorded"] * 2
     assert [line["mode"] for line in reused["lines"]] == ["reload-reused"] * 2
+    assert [line["backend"] for line in afresh["lines"] + reused["lines"]] == ["cooperative"] * 4  # the mappings
     assert all(line["unplanned_regions"] == 0 for line in reused["lines"])
     assert run["logprobs"] != afresh["logprobs"] != reused["logprobs"]
 

@@ -4,12 +4,13 @@ the others."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from unittest import mock
 
 import torch
 
 from raylazy.core.boxes import Region
+from raylazy.integrations import serving
 from raylazy.integrations.serving import RegionReader
 from raylazy.integrations.vllm import RaylazyModelLoader
 
@@ -27,11 +28,15 @@ def neighbour(region: Region) -> Region:
 
 class PeerBytesLoader(RaylazyModelLoader):
     """raylazy's loader with rank 0 fed another rank's bytes: its reader plans each region's neighbour in its
-    place."""
+    place, and a copy out of a file's mapping views the neighbour's box."""
 
     def load_weights(self, model, model_config) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        shard = RegionReader.shard
-        with mock.patch.object(RegionReader, "shard", lambda reads, region, name: shard(reads, neighbour(region), name)) \
-                if rank == 0 else nullcontext():
+        shard, box = RegionReader.shard, serving.mapped_box
+        with ExitStack() as patches:
+            if rank == 0:
+                patches.enter_context(mock.patch.object(
+                    RegionReader, "shard", lambda reads, region, name: shard(reads, neighbour(region), name)))
+                patches.enter_context(mock.patch.object(
+                    serving, "mapped_box", lambda mapping, region: box(mapping, neighbour(region))))
             super().load_weights(model, model_config)
