@@ -178,12 +178,11 @@ class Serving:
         self._maps: dict[int, torch.Tensor] | None = None  # file -> its mapping, where regions are copied out of it
         self._reads_in_place = False  # whether, then, the regions read straight into their destination still are
         self.stats.regions, self.stats.bytes_needed = len(takes), sum(r.nbytes for r in takes)
-        self.stats.in_place_bytes = sum(r.nbytes for r in self._out)
         self.backend, self._batches, self._session = self._plan(group)
-        if self._maps is not None:
-            mapped_bytes = sum(r.nbytes for r in takes if self._copied(r))
-            self.stats.in_place_bytes += mapped_bytes - sum(r.nbytes for r in self._out if self._copied(r))
-            self.stats.planned_bytes_read += mapped_bytes
+        # in place: read straight into their destination, or copied straight out of the mapping (planned: its pages)
+        copied = sum(r.nbytes for r in takes if self._copied(r))
+        self.stats.in_place_bytes = copied + sum(r.nbytes for r in self._out if not self._copied(r))
+        self.stats.planned_bytes_read += copied
         self.stats.backend, self.stats.batches = self.backend, len(self._batches)
         self._batch_of = {r: b for b, batch in enumerate(self._batches) for r in batch.regions}
         self._ready: dict[Region, torch.Tensor] = {}
@@ -196,8 +195,7 @@ class Serving:
         self._populating = ExitStack()
 
     def _held(self) -> dict[Region, int]:
-        return {r: 0 if r in self._out else r.nbytes for r in self._left
-                if not self._copied(r)}
+        return {r: 0 if r in self._out else r.nbytes for r in self._left if not self._copied(r)}
 
     def _plan(self, group: NodeGroup | None) -> tuple[str, list[_Batch], object]:
         """(backend, batches, the context the reader thread reads in): alone, or with the node's processes."""
@@ -335,12 +333,6 @@ class Serving:
         regions, at = self._staged(self._batches[b])
         return {r: buf[a : a + r.nbytes].view(torch_dtype(r.tensor.dtype)).view(r.sizes) for r, a in zip(regions, at)}
 
-    def _mapped_box(self, region: Region) -> torch.Tensor | None:
-        """The region's box as a view of its file's mapping, where regions are copied out of it and a view shows it."""
-        if not self._copied(region):
-            return None
-        return mapped_box(self._mapping(region.file), region)
-
     def _copied(self, region: Region) -> bool:
         """Whether the region is copied out of its file's mapping."""
         return self._maps is not None and box_mappable(region) and not (self._reads_in_place and region in self._out)
@@ -352,19 +344,17 @@ class Serving:
 
     def box(self, region: Region) -> torch.Tensor:
         """The region's box to copy out of, not to keep: a view of the file's mapping, else as read (`take`)."""
-        box = self._mapped_box(region)
-        return self.take(region) if box is None else box
+        return mapped_box(self._mapping(region.file), region) if self._copied(region) else self.take(region)
 
     def take(self, region: Region) -> torch.Tensor:
         """The region's box (waits for its batch; out of the file's mapping, into memory of its own, where regions
         are copied out of it); a region not wanted is read on its own, at once, and counted."""
-        with self._cond:
-            wanted = self._left.get(region)
-        if (box := self._mapped_box(region)) is not None:
-            if not wanted:
+        if self._copied(region):  # its takes left never change: no batch holds it
+            if not self._left.get(region):
                 self.stats.unplanned_regions += 1
                 self.stats.unplanned_bytes += region.nbytes
-            return box.clone()  # a consumer may write into what it takes: not into the mapping others copy from
+            # a consumer may write into what it takes: not into the mapping others copy from
+            return mapped_box(self._mapping(region.file), region).clone()
         with self._cond:
             if self._left.get(region):
                 return self._take_wanted(region)

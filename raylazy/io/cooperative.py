@@ -127,12 +127,12 @@ def read_rank_cooperative(
     return shards_of(plan, buffers), stats
 
 
-def _check_local(plan: RankPlan | None, sources: dict[int, Source]) -> None:
+def _check_local(plan: RankPlan, sources: dict[int, Source]) -> None:
     """Only local files can be mapped (the driver reads other storages through the exchange)."""
     for f, source in sources.items():
         if not isinstance(source, LocalSource):
-            raise ConfigurationError(f"{plan.files[f].uri if plan else source.uri}: cooperative reads map local "
-                                     "files only: use backend='ranged'")
+            raise ConfigurationError(f"{plan.files[f].uri}: cooperative reads map local files only: use "
+                                     "backend='ranged'")
 
 
 @contextmanager
@@ -234,7 +234,7 @@ def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, read
     with no ready map (no stripe readers), every keep at once, in stripe order."""
     import numpy as np
 
-    maps = {f: _mapped(torch, s) for f, s in sources.items()}
+    maps = {f: mapped(s) for f, s in sources.items()}
 
     def copy(k) -> None:  # a read in flight while it runs: its page faults may wait on storage
         with reading(sources[k.part.read.file], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of "
@@ -279,29 +279,19 @@ def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, read
         deadline, pause = time.monotonic() + timeout_s, 0.0005
 
 
-def _mapped(torch, source: LocalSource):
-    """The whole file as a uint8 tensor over a private read-only mapping (pages shared with the page cache)."""
+def mapped(source: LocalSource):
+    """The whole of a local file as a uint8 tensor over a private read-only mapping (pages shared with the page
+    cache: read once for the node, as they are first used)."""
     import numpy as np
+    import torch
 
     mm = mmap.mmap(source.fd, 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable views, nothing ever written
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
-def mapped(source: Source):
-    """The whole of a local file as a uint8 tensor over a private mapping of it (`_mapped`): its pages are read
-    (once for the node: the page cache) as they are first used. ConfigurationError for a file not local."""
-    import torch
-
-    _check_local(None, {0: source})
-    return _mapped(torch, source)
-
-
 def mapped_box(mapping, region: Region):
     """The region's box (`raylazy.core.boxes.Region`) as a view of its file's mapping (`mapped`), in its dtype and
-    shape: nothing is read until its bytes are used. None where a view cannot show it (a sub-byte dtype; a tensor
-    not aligned to its element size in the file)."""
-    if not box_mappable(region):
-        return None
+    shape: nothing is read until its bytes are used. Only for a region `box_mappable` says a view shows."""
     t = region.tensor
     full = mapping[t.start : t.end].view(torch_dtype(t.dtype)).view(t.shape)
     return full[tuple(slice(a, a + n) for a, n in zip(region.starts, region.sizes))]

@@ -4,8 +4,10 @@ bytes are read; its copies, replayed, or a second run of it, leave exactly what 
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,33 +165,28 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
 
 
 class _Threads:
-    """A node's `size` processes as threads of this one (`NodeGroup`s: `member(rank)`), all_gather over a barrier."""
+    """A node's `size` processes as threads of this one (`member(rank)`: a `NodeGroup`), all_gather over a barrier."""
 
     def __init__(self, size: int):
         self.size, self._got, self._barrier = size, [None] * size, threading.Barrier(size, timeout=60)
 
-    def member(self, rank: int):
-        threads = self
+    def all_gather(self, rank: int, obj) -> list:
+        self._got[rank] = obj
+        self._barrier.wait()
+        out = list(self._got)
+        self._barrier.wait()
+        return out
 
-        class Member:
-            def all_gather(self, obj) -> list:
-                threads._got[rank] = obj
-                threads._barrier.wait()
-                out = list(threads._got)
-                threads._barrier.wait()
-                return out
-
-        m = Member()
-        m.rank, m.size = rank, self.size
-        return m
+    def member(self, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(rank=rank, size=self.size, all_gather=functools.partial(self.all_gather, rank))
 
 
 @pytest.mark.parametrize("replay", [True, False])
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_a_node_copies_straight_out_of_the_files_mappings(llama_dir, monkeypatch, replay, dtype):
     """Two workers of one node on a local file system (threads here): no read call but the recording's (for the
-    op it cannot follow); every region is copied (converted, where the destination's dtype differs) out of the file's mapping into
-    its destination, with safetensors' cut of each tensor as the result. A consumer writing into a weight it took
+    op it cannot follow); every region is copied (converted, where the destination's dtype differs) out of the
+    file's mapping into its destination, with safetensors' cut of each tensor as the result. A consumer writing into a weight it took
     whole (an op raylazy cannot follow) writes into memory of its own: a later copy of the same region out of the
     mapping is the checkpoint's."""
     reads = []
