@@ -1,6 +1,8 @@
 """The layering the README states, beyond the import contract `lint-imports` checks statically: the core, storage
 and the readers import and read a plan in a process where Ray cannot be imported at all (as on the GPU check's
-machine, which has no Ray), and importing the package's face imports no Ray."""
+machine, which has no Ray), importing the package's face imports no Ray, and importing a layer imports none above
+it (the package's face imports its names on first use: the vLLM plugin, imported by every vLLM process, pays for
+no Ray layer)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ shards, stats = read_rank(plan.ranks[1], "cpu")
 import torch
 torch.save({n: t.clone() for n, t in shards.items()}, sys.argv[2])
 print("no ray:", "ray" not in [m for m in sys.modules if sys.modules[m] is not None])
+print("above:", sorted(m for m in sys.modules if m.startswith(("raylazy.cluster", "raylazy.integrations"))))
+print("face:", raylazy.plan is make_plan, raylazy.Split.__module__)
 """
 
 
@@ -29,6 +33,8 @@ def test_the_core_storage_and_readers_need_no_ray(llama_dir, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no ray: True" in done.stdout
+    assert "above: []" in done.stdout
+    assert "face: True raylazy.core.placements" in done.stdout
     import torch
 
     shards, ref = torch.load(out), reference_tensors(llama_dir)
