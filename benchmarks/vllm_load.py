@@ -10,9 +10,12 @@ drift on a shared machine spreads over all formats alike. Each run is a fresh pr
 the parent makes the cache state (cold: the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the
 files read once) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times
 `LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and
-sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). "load" is the
-weight-loading step as each worker logs it (vLLM's loaders: "Loading weights took"; raylazy: its line's
-`seconds`, the whole of its `load_weights`), the slowest worker's; runai_streamer logs none. "device read" and
+sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every worker's weight-loading
+step (its loader's `load_weights`, whatever the format) is timed alike: the child and the workers vLLM spawns
+(which import this file again) wrap it (`time_load_steps`). "load" is the slowest worker's step; "node load" the
+engine's, from the first worker's start of it to the last one's end. They differ where the workers start apart:
+a raylazy worker waits at its node's agreement for the others, so its own step holds the skew, which the other
+loaders' steps do not (vLLM's own "Loading weights took" line is its first worker's alone). "device read" and
 "mean request" are what /proc/diskstats saw the checkpoint's device read meanwhile (the node's reads from
 storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size.
 A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config, another format's
@@ -42,7 +45,6 @@ from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_ch
 from benchmarks.loaders.diskstats import Device  # noqa: E402
 from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
-from raylazy.integrations.report import fields  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
 #: The benchmark checkpoint: Llama-shaped, bf16, 3 layers (0.53 GB).
@@ -81,6 +83,39 @@ def one(model: str, spec: str, tp: int, dtype: str) -> dict:
     return {"ready_s": ready, "read_bytes": own + sum(workers), "worker_max": max(workers) if tp > 1 else own}
 
 
+#: Set in a child's environment: it, and the vLLM workers it spawns, time their load steps.
+STEPS = "RAYLAZY_BENCH_LOAD_STEPS"
+
+
+def time_load_steps() -> None:
+    """Wrap every vLLM model loader's `load_weights` for one load: a line `LOADSTEP start end` (wall clock) each."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    load_model = BaseModelLoader.load_model
+
+    def timed(self, *args, **kwargs):
+        inner = self.load_weights
+
+        def load_weights(*a, **k):
+            start = time.time()
+            try:
+                return inner(*a, **k)
+            finally:
+                print(f"LOADSTEP {start:.6f} {time.time():.6f}", flush=True)
+
+        self.load_weights = load_weights
+        try:
+            return load_model(self, *args, **kwargs)
+        finally:
+            del self.load_weights
+
+    BaseModelLoader.load_model = timed
+
+
+if os.environ.get(STEPS) and __name__ != "__main__":  # a vLLM worker importing this file again (spawned)
+    time_load_steps()
+
+
 def prepare(files: list[str], cache: str) -> None:
     """Make the cache state: cold (the files' pages evicted) or warm (the files read once)."""
     if cache == "cold":
@@ -98,7 +133,7 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     files = checkpoint_files(model)
     prepare(files, cache)
     disk0 = device.settled_reads() if device.name else None
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **{STEPS: "1"})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
@@ -110,10 +145,10 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     if done.returncode or result is None:
         error = [line for line in done.stdout.splitlines() if "Error" in line] or done.stdout.splitlines()
         return {**row, "error": (error[-1] if error else "")[-200:]}
-    load = [float(x) for x in re.findall(r"Loading weights took ([\d.]+) seconds", done.stdout)]
-    load += [f["seconds"] for f in map(fields, done.stdout.splitlines()) if f]
-    return {**row, **result, "load_s": max(load, default=None), "disk_bytes": disk.bytes if disk else None,
-            "mean_request": disk.mean_request if disk else None}
+    steps = [tuple(map(float, m)) for m in re.findall(r"^LOADSTEP ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
+    return {**row, **result, "load_s": max((b - a for a, b in steps), default=None),
+            "node_load_s": max(b for _, b in steps) - min(a for a, _ in steps) if steps else None,
+            "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None}
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -124,19 +159,20 @@ def table(rows: list[dict]) -> list[str]:
             return "-"
         return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
-    out = ["| format | tp | cache | dtype | runs | ready s | load s | device read MB | mean request kB | processes read MB "
-           "| worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| format | tp | cache | dtype | runs | ready s | load s | node load s | device read MB | mean request kB | processes read MB "
+           "| worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows))
     for key in keys:
         tp, cache, dtype, spec = key
         ok = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" not in r]
         failed = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" in r]
         if not ok:
-            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | |")
+            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | | |")
             continue
         s, mb, kb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}"), (lambda v: f"{v / 1e3:.0f}")
         out.append(f"| {spec} | {tp} | {cache} | {dtype} | {len(ok)} | {med([r['ready_s'] for r in ok], s)} | "
-                   f"{med([r['load_s'] for r in ok], s)} | {med([r['disk_bytes'] for r in ok], mb)} | "
+                   f"{med([r['load_s'] for r in ok], s)} | {med([r['node_load_s'] for r in ok], s)} | "
+                   f"{med([r['disk_bytes'] for r in ok], mb)} | "
                    f"{med([r['mean_request'] for r in ok], kb)} | {med([r['read_bytes'] for r in ok], mb)} | "
                    f"{med([r['worker_max'] for r in ok], mb)} |")
     return out
@@ -178,6 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--served", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
+        time_load_steps()
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
     cases = checkpoints(args.model, args.dtype)

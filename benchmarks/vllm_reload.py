@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             for cache in args.cache:
                 for what in ("raylazy", "auto", "fresh"):
                     if what == "fresh":
-                        r = measure(steps[1], "auto", tp, cache, device)
+                        r = measure(steps[1], "auto", tp, cache, SPEC.dtype, device)
                         r = {"seconds": r.get("ready_s"), "worker_read_bytes": r.get("worker_max"),
                              "node_read_bytes": r.get("read_bytes"),
                              "disk_bytes": r.get("disk_bytes"), **({"error": r["error"]} if "error" in r else {})}
