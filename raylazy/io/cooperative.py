@@ -73,6 +73,9 @@ _POPULATE = getattr(mmap, "MADV_POPULATE_READ", 22)
 #: thread waiting on storage there stalled the keeper thread of its process for the whole read).
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+#: mincore's byte per page -> 1 where its low bit (in the page cache) is set, else 0 (the other bits are reserved).
+_IN_CACHE = bytes(i & 1 for i in range(256))
 
 
 def read_rank_cooperative(
@@ -304,10 +307,14 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[N
     madvise(MADV_POPULATE_READ) of the mapping itself: large requests, several in flight, and the page tables
     filled (a copy out of the mapping then takes no page fault). A page a copy needs first is read by the copy's
     own fault; a populate cannot go wrong but early: where the kernel cannot (before Linux 5.14) or one fails, the
-    threads stop and the copies read the rest. On leaving, they stop after their current chunk."""
+    threads stop and the copies read the rest. On leaving, they stop after their current chunk. A chunk already
+    in the page cache is left to the copies (`in_page_cache`): populating it would read nothing and take the
+    copies' core (a vLLM worker is bound to its cores), so where all of it is there no thread starts."""
     stop = threading.Event()
-    todo = iter([(m.data_ptr(), a, min(hi, a + chunk_bytes)) for m, lo, hi in spans
-                 for a in range(lo - lo % mmap.PAGESIZE, hi, chunk_bytes)])
+    chunks = [(m.data_ptr(), a, min(hi, a + chunk_bytes)) for m, lo, hi in spans
+              for a in range(lo - lo % mmap.PAGESIZE, hi, chunk_bytes)]
+    chunks = [(base, a, b) for base, a, b in chunks if not in_page_cache(base + a, b - a)]
+    todo = iter(chunks)
 
     def populate() -> None:
         for base, a, b in todo:  # next() on a shared list iterator is atomic under the GIL
@@ -315,7 +322,7 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[N
                 return
 
     workers = [threading.Thread(target=populate, name="raylazy-populate", daemon=True)
-               for _ in range(threads if spans else 0)]
+               for _ in range(min(threads, len(chunks)))]
     for w in workers:
         w.start()
     try:
@@ -324,6 +331,13 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[N
         stop.set()
         for w in workers:
             w.join()
+
+
+def in_page_cache(address: int, length: int) -> bool:
+    """Whether every page of `length` bytes of a file's mapping from `address` (page-aligned) is in the page cache
+    (mincore(2); False where it fails)."""
+    pages = (ctypes.c_char * -(-length // mmap.PAGESIZE))()
+    return not _libc.mincore(address, length, pages) and 0 not in bytes(pages).translate(_IN_CACHE)
 
 
 def box_mappable(region: Region) -> bool:

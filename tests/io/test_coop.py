@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections import Counter
@@ -274,3 +275,37 @@ def test_two_nodes_read_on_their_own_schedules(two_node_cluster, llama_dir):
             assert info.rank in nodes[info.node_id].ranks and s.backend == "cooperative"
         check_copied_from_mappings(loaded)
         check_loaded(loaded, llama_dir)
+
+
+def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds(tmp_path):
+    """A consumer copying out of a mapping (the vLLM format) has threads populate it ahead only where the kernel's
+    page cache lacks pages: evicted (posix_fadvise DONTNEED), the span is read into it; read already, no thread
+    starts (it would take the copies' core for nothing)."""
+    from benchmarks.loaders.pagecache import evict, resident_bytes
+    from raylazy.io.cooperative import in_page_cache, mapped, populating
+    from raylazy.storage.local import LocalSource
+
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(64 << 20))
+        os.fsync(f.fileno())
+    if evict([str(path)]):
+        pytest.skip("this file system keeps the file's pages after posix_fadvise(DONTNEED)")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = mapped(LocalSource(str(path), fd, 64 << 20))
+        half, tail = 4 << 20, 32 << 20  # the tail: past any read-ahead of the first 4 MB
+        assert not in_page_cache(m.data_ptr(), 64 << 20)
+        with populating([(m, 0, half)], threads=2, chunk_bytes=1 << 20):
+            assert any(t.name == "raylazy-populate" for t in threading.enumerate())
+            deadline = time.monotonic() + 30
+            while not in_page_cache(m.data_ptr(), half) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert in_page_cache(m.data_ptr(), half) and not in_page_cache(m.data_ptr() + tail, tail)
+        assert half <= resident_bytes(str(path)) <= tail  # the benchmark's own count of the file's resident pages
+        with populating([(m, 0, half)], threads=2, chunk_bytes=1 << 20):
+            assert not any(t.name == "raylazy-populate" for t in threading.enumerate())
+        assert torch.equal(m, torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+    finally:
+        del m
+        os.close(fd)
