@@ -100,8 +100,9 @@ def time_load_steps() -> None:
             start = time.time()
             try:
                 return inner(*a, **k)
-            finally:
-                print(f"LOADSTEP {start:.6f} {time.time():.6f}", flush=True)
+            finally:  # one write, on a line of its own: the workers share the child's stdout
+                sys.stdout.flush()
+                os.write(sys.stdout.fileno(), f"\nLOADSTEP {start:.6f} {time.time():.6f}\n".encode())
 
         self.load_weights = load_weights
         try:
