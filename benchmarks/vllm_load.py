@@ -113,7 +113,7 @@ def time_load_steps() -> None:
     BaseModelLoader.load_model = timed
 
 
-if os.environ.get(STEPS) and __name__ != "__main__":  # a vLLM worker importing this file again (spawned)
+if os.environ.get(STEPS):  # a child, and each vLLM worker it spawns (they import this file again)
     time_load_steps()
 
 
@@ -215,7 +215,6 @@ def main(argv=None) -> int:
     ap.add_argument("--served", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        time_load_steps()
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
     cases = checkpoints(args.model, args.dtype)

@@ -47,6 +47,7 @@ _EXPORTS = {
     "TensorShard": ("core.plans", "TensorShard"),
 }
 
+
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'raylazy' has no attribute {name!r}")
