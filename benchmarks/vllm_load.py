@@ -17,7 +17,10 @@ engine's, from the first worker's start of it to the last one's end. They differ
 a raylazy worker waits at its node's agreement for the others, so its own step holds the skew, which the other
 loaders' steps do not (vLLM's own "Loading weights took" line is its first worker's alone). "device read" and
 "mean request" are what /proc/diskstats saw the checkpoint's device read meanwhile (the node's reads from
-storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size.
+storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size;
+"refaulted" the file pages the kernel read again after evicting them during the run (/proc/vmstat: memory
+pressure, or proactive reclaim such as DAMON's pageout, which some virtual machines run), where device reads
+past the checkpoint's size come from.
 A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config, another format's
 (`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)` itself. `--dtype CHECKPOINT[:SERVED]` names the
 checkpoint's dtype and the dtype vLLM serves it in (the same by default; `bfloat16:float32` converts every weight
@@ -42,7 +45,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint  # noqa: E402
-from benchmarks.loaders.diskstats import Device  # noqa: E402
+from benchmarks.loaders.diskstats import Device, refaulted_bytes  # noqa: E402
 from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
 
@@ -134,6 +137,7 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     files = checkpoint_files(model)
     prepare(files, cache)
     disk0 = device.settled_reads() if device.name else None
+    refaulted0 = refaulted_bytes()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **{STEPS: "1"})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
@@ -141,6 +145,7 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec, "--tp", str(tp),
                            "--model", model, "--served", dtype], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     disk = device.settled_reads() - disk0 if disk0 else None
+    refaulted = refaulted_bytes() - refaulted0
     row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype)}
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if done.returncode or result is None:
@@ -149,7 +154,8 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     steps = [tuple(map(float, m)) for m in re.findall(r"^LOADSTEP ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
     return {**row, **result, "load_s": max((b - a for a, b in steps), default=None),
             "node_load_s": max(b for _, b in steps) - min(a for a, _ in steps) if steps else None,
-            "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None}
+            "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None,
+            "refaulted_bytes": refaulted}
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -160,20 +166,20 @@ def table(rows: list[dict]) -> list[str]:
             return "-"
         return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
-    out = ["| format | tp | cache | dtype | runs | ready s | load s | node load s | device read MB | mean request kB | processes read MB "
-           "| worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| format | tp | cache | dtype | runs | ready s | load s | node load s | device read MB | refaulted MB "
+           "| mean request kB | processes read MB | worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows))
     for key in keys:
         tp, cache, dtype, spec = key
         ok = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" not in r]
         failed = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" in r]
         if not ok:
-            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | | |")
+            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | | | |")
             continue
         s, mb, kb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}"), (lambda v: f"{v / 1e3:.0f}")
         out.append(f"| {spec} | {tp} | {cache} | {dtype} | {len(ok)} | {med([r['ready_s'] for r in ok], s)} | "
                    f"{med([r['load_s'] for r in ok], s)} | {med([r['node_load_s'] for r in ok], s)} | "
-                   f"{med([r['disk_bytes'] for r in ok], mb)} | "
+                   f"{med([r['disk_bytes'] for r in ok], mb)} | {med([r['refaulted_bytes'] for r in ok], mb)} | "
                    f"{med([r['mean_request'] for r in ok], kb)} | {med([r['read_bytes'] for r in ok], mb)} | "
                    f"{med([r['worker_max'] for r in ok], mb)} |")
     return out

@@ -96,3 +96,16 @@ class Device:
                 return int(fh.read().split()[0])
         except (OSError, ValueError, IndexError):
             return 0  # no such counter: nothing to wait for
+
+
+def refaulted_bytes() -> int:
+    """Bytes of file pages the kernel read again after evicting them (/proc/vmstat workingset_refault_file, a
+    machine-wide count since boot; 0 where the kernel does not keep it). Around a run, a rise means some of the
+    device's reads were the same pages twice: the page cache evicted them between their read-ahead and their use
+    (memory pressure, or proactive reclaim such as DAMON's pageout, /sys/kernel/mm/damon)."""
+    try:
+        with open("/proc/vmstat") as fh:
+            counts = dict(line.split() for line in fh)
+    except OSError:
+        return 0
+    return int(counts.get("workingset_refault_file", 0)) * os.sysconf("SC_PAGE_SIZE")
