@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +193,7 @@ class Serving:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="raylazy-lazy-reader", daemon=True)
         self._populating = ExitStack()
+        self._reached: Callable[[int], None] = lambda address: None  # tells the populating threads a copy's place
 
     def _held(self) -> dict[Region, int]:
         return {r: 0 if r in self._out else r.nbytes for r in self._left if not self._copied(r)}
@@ -259,8 +260,8 @@ class Serving:
         if self._maps is not None:  # the regions copied out of the mappings brought in ahead, in checkpoint order
             spans = _merged(sorted((r.file, *r.span) for r in self._left if self._copied(r)))
             reader = self.options.reader
-            self._populating.enter_context(populating([(self._mapping(f), a, b) for f, a, b in spans],
-                                                      reader.threads, reader.chunk_bytes))
+            self._reached = self._populating.enter_context(populating(
+                [(self._mapping(f), a, b) for f, a, b in spans], reader.threads, reader.chunk_bytes))
         self._thread.start()
         return self
 
@@ -342,9 +343,15 @@ class Serving:
             self._maps[file] = mapped(self.reads.sources([file])[file])
         return self._maps[file]
 
+    def _mapped_box(self, region: Region) -> torch.Tensor:
+        """The region's box in its file's mapping; the threads populating it ahead are told the copies got there."""
+        mapping = self._mapping(region.file)
+        self._reached(mapping.data_ptr() + region.span[0])
+        return mapped_box(mapping, region)
+
     def box(self, region: Region) -> torch.Tensor:
         """The region's box to copy out of, not to keep: a view of the file's mapping, else as read (`take`)."""
-        return mapped_box(self._mapping(region.file), region) if self._copied(region) else self.take(region)
+        return self._mapped_box(region) if self._copied(region) else self.take(region)
 
     def take(self, region: Region) -> torch.Tensor:
         """The region's box (waits for its batch; out of the file's mapping, into memory of its own, where regions
@@ -354,7 +361,7 @@ class Serving:
                 self.stats.unplanned_regions += 1
                 self.stats.unplanned_bytes += region.nbytes
             # a consumer may write into what it takes: not into the mapping others copy from
-            return mapped_box(self._mapping(region.file), region).clone()
+            return self._mapped_box(region).clone()
         with self._cond:
             if self._left.get(region):
                 return self._take_wanted(region)

@@ -52,7 +52,8 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
@@ -301,7 +302,8 @@ def mapped_box(mapping, region: Region):
 
 
 @contextmanager
-def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[None]:
+def populating(spans: list[tuple], threads: int, chunk_bytes: int,
+               ahead: int | None = None) -> Iterator[Callable[[int], None]]:
     """`threads` threads bringing byte spans of files' mappings into memory ahead of the copies out of them: each
     (mapping from `mapped`, first byte, end byte), in the order given, cut into chunks of `chunk_bytes`, each one
     madvise(MADV_POPULATE_READ) of the mapping itself: large requests, several in flight, and the page tables
@@ -309,15 +311,34 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[N
     own fault; a populate cannot go wrong but early: where the kernel cannot (before Linux 5.14) or one fails, the
     threads stop and the copies read the rest. On leaving, they stop after their current chunk. A chunk already
     in the page cache is left to the copies (`in_page_cache`): populating it would read nothing and take the
-    copies' core (a vLLM worker is bound to its cores), so where all of it is there no thread starts."""
-    stop = threading.Event()
+    copies' core (a vLLM worker is bound to its cores), so where all of it is there no thread starts.
+
+    Yields `reached(address)`, which a copy calls with the address of its first byte in a mapping: no chunk more
+    than `ahead` chunks (default 2 x `threads`) past the furthest chunk reached is populated (before any copy,
+    the first `ahead`). A populated page
+    no process has touched yet is the first the kernel evicts (its page tables say it was never used): under
+    memory pressure, or a proactive reclaim such as DAMON's pageout, pages brought in long before their copy
+    were evicted and read from storage a second time (a third more bytes than the checkpoint at tp=2)."""
+    stop, moved = threading.Event(), threading.Condition()
     chunks = [(m.data_ptr(), a, min(hi, a + chunk_bytes)) for m, lo, hi in spans
               for a in range(lo - lo % mmap.PAGESIZE, hi, chunk_bytes)]
     chunks = [(base, a, b) for base, a, b in chunks if not in_page_cache(base + a, b - a)]
-    todo = iter(chunks)
+    by_address = sorted((base + a, base + b, i) for i, (base, a, b) in enumerate(chunks))
+    starts, window, furthest = [c[0] for c in by_address], ahead or 2 * threads, [-1]
+    todo = iter(enumerate(chunks))
+
+    def reached(address: int) -> None:
+        k = bisect_right(starts, address) - 1
+        if k >= 0 and address < by_address[k][1] and by_address[k][2] > furthest[0]:
+            with moved:
+                furthest[0] = max(furthest[0], by_address[k][2])
+                moved.notify_all()
 
     def populate() -> None:
-        for base, a, b in todo:  # next() on a shared list iterator is atomic under the GIL
+        for i, (base, a, b) in todo:  # next() on a shared iterator is atomic under the GIL
+            with moved:
+                while not stop.is_set() and i > furthest[0] + window:
+                    moved.wait()
             if stop.is_set() or not _POPULATE or _libc.madvise(base + a, b - a, _POPULATE):
                 return
 
@@ -326,9 +347,11 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int) -> Iterator[N
     for w in workers:
         w.start()
     try:
-        yield
+        yield reached
     finally:
         stop.set()
+        with moved:
+            moved.notify_all()
         for w in workers:
             w.join()
 

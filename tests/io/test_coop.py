@@ -309,3 +309,46 @@ def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds
     finally:
         del m
         os.close(fd)
+
+
+def test_populating_stays_a_window_ahead_of_the_copies(tmp_path):
+    """The threads populate no further than `ahead` chunks past the furthest chunk the copies reached (a page
+    brought in long before its copy may be evicted first and read twice): before any copy, only the first
+    `ahead` chunks come in; once a copy reaches a chunk, the ones up to `ahead` past it do, and none further."""
+    from benchmarks.loaders.pagecache import evict
+    from raylazy.io.cooperative import in_page_cache, mapped, populating
+    from raylazy.storage.local import LocalSource
+
+    mib, size = 1 << 20, 96 << 20
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        os.fsync(f.fileno())
+    if evict([str(path)]):
+        pytest.skip("this file system keeps the file's pages after posix_fadvise(DONTNEED)")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = mapped(LocalSource(str(path), fd, size))
+        base = m.data_ptr()
+
+        def settled(end: int) -> None:  # wait until [0, end) is in, then a moment for anything further
+            deadline = time.monotonic() + 30
+            while not in_page_cache(base, end) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+
+        # 4 MiB chunks, 1 ahead: before any copy, chunk 0 (the kernel's read-around may add a few MiB); a copy at
+        # 40 MiB (chunk 10): up to chunk 11 (48 MiB). Without the window 2 threads read all 96 MiB in ~0.1 s.
+        with populating([(m, 0, size)], threads=2, chunk_bytes=4 * mib, ahead=1) as reached:
+            settled(4 * mib)
+            assert in_page_cache(base, 4 * mib) and not in_page_cache(base + 16 * mib, size - 16 * mib)
+            reached(base + 40 * mib + 123)
+            settled(48 * mib)
+            assert in_page_cache(base, 48 * mib) and not in_page_cache(base + 64 * mib, size - 64 * mib)
+            reached(base + size + 4096)  # past every chunk: moves nothing
+            time.sleep(0.3)
+            assert not in_page_cache(base + 64 * mib, size - 64 * mib)
+        assert torch.equal(m, torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+    finally:
+        del m
+        os.close(fd)
