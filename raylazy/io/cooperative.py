@@ -315,10 +315,10 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int,
 
     Yields `reached(address)`, which a copy calls with the address of its first byte in a mapping: no chunk more
     than `ahead` chunks (default 2 x `threads`) past the furthest chunk reached is populated (before any copy,
-    the first `ahead`). A populated page
-    no process has touched yet looks unused to the kernel, among the first it evicts: under
-    memory pressure, or a proactive reclaim such as DAMON's pageout, pages brought in long before their copy
-    were evicted and read from storage a second time (a third more bytes than the checkpoint at tp=2)."""
+    the first `ahead`). A populated page no process has touched yet looks unused to the kernel, among the first
+    it evicts: under memory pressure, or a proactive reclaim such as DAMON's pageout, pages brought in long
+    before their copy were evicted and read from storage a second time (a third more bytes than the checkpoint
+    at tp=2)."""
     stop, moved = threading.Event(), threading.Condition()
     chunks = [(m.data_ptr(), a, min(hi, a + chunk_bytes)) for m, lo, hi in spans
               for a in range(lo - lo % mmap.PAGESIZE, hi, chunk_bytes)]
