@@ -324,20 +324,21 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int,
               for a in range(lo - lo % mmap.PAGESIZE, hi, chunk_bytes)]
     chunks = [(base, a, b) for base, a, b in chunks if not in_page_cache(base + a, b - a)]
     by_address = sorted((base + a, base + b, i) for i, (base, a, b) in enumerate(chunks))
-    starts, window, furthest = [c[0] for c in by_address], ahead or 2 * threads, [-1]
+    starts, window, furthest = [c[0] for c in by_address], ahead or 2 * threads, -1  # furthest chunk reached
     todo = iter(enumerate(chunks))
 
     def reached(address: int) -> None:
+        nonlocal furthest
         k = bisect_right(starts, address) - 1
-        if k >= 0 and address < by_address[k][1] and by_address[k][2] > furthest[0]:
+        if k >= 0 and address < by_address[k][1] and by_address[k][2] > furthest:
             with moved:
-                furthest[0] = max(furthest[0], by_address[k][2])
+                furthest = max(furthest, by_address[k][2])
                 moved.notify_all()
 
     def populate() -> None:
         for i, (base, a, b) in todo:  # next() on a shared iterator is atomic under the GIL
             with moved:
-                while not stop.is_set() and i > furthest[0] + window:
+                while not stop.is_set() and i > furthest + window:
                     moved.wait()
             if stop.is_set() or not _POPULATE or _libc.madvise(base + a, b - a, _POPULATE):
                 return

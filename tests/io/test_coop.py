@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -277,23 +278,39 @@ def test_two_nodes_read_on_their_own_schedules(two_node_cluster, llama_dir):
         check_loaded(loaded, llama_dir)
 
 
-def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds(tmp_path):
-    """A consumer copying out of a mapping (the vLLM format) has threads populate it ahead only where the kernel's
-    page cache lacks pages: evicted (posix_fadvise DONTNEED), the span is read into it; read already, no thread
-    starts (it would take the copies' core for nothing)."""
-    from benchmarks.loaders.pagecache import evict, resident_bytes
-    from raylazy.io.cooperative import in_page_cache, mapped, populating
+@contextmanager
+def _evicted_mapping(tmp_path, size: int):
+    """A file of `size` random bytes, out of the page cache (posix_fadvise DONTNEED; the test skips where the
+    file system keeps them), mapped as the vLLM format maps a checkpoint file (`mapped`). On leaving, the
+    mapping still holds the file's bytes."""
+    from benchmarks.loaders.pagecache import evict
+    from raylazy.io.cooperative import mapped
     from raylazy.storage.local import LocalSource
 
     path = tmp_path / "f.bin"
     with open(path, "wb") as f:
-        f.write(os.urandom(64 << 20))
+        f.write(os.urandom(size))
         os.fsync(f.fileno())
     if evict([str(path)]):
         pytest.skip("this file system keeps the file's pages after posix_fadvise(DONTNEED)")
     fd = os.open(path, os.O_RDONLY)
     try:
-        m = mapped(LocalSource(str(path), fd, 64 << 20))
+        m = mapped(LocalSource(str(path), fd, size))
+        yield m, path
+        assert torch.equal(m, torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+    finally:
+        m = None
+        os.close(fd)
+
+
+def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds(tmp_path):
+    """A consumer copying out of a mapping (the vLLM format) has threads populate it ahead only where the kernel's
+    page cache lacks pages: evicted (posix_fadvise DONTNEED), the span is read into it; read already, no thread
+    starts (it would take the copies' core for nothing)."""
+    from benchmarks.loaders.pagecache import resident_bytes
+    from raylazy.io.cooperative import in_page_cache, populating
+
+    with _evicted_mapping(tmp_path, 64 << 20) as (m, path):
         half, tail = 4 << 20, 32 << 20  # the tail: past any read-ahead of the first 4 MB
         assert not in_page_cache(m.data_ptr(), 64 << 20)
         with populating([(m, 0, half)], threads=2, chunk_bytes=1 << 20):
@@ -305,30 +322,16 @@ def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds
         assert half <= resident_bytes(str(path)) <= tail  # the benchmark's own count of the file's resident pages
         with populating([(m, 0, half)], threads=2, chunk_bytes=1 << 20):
             assert not any(t.name == "raylazy-populate" for t in threading.enumerate())
-        assert torch.equal(m, torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
-    finally:
-        del m
-        os.close(fd)
 
 
 def test_populating_stays_a_window_ahead_of_the_copies(tmp_path):
     """The threads populate no further than `ahead` chunks past the furthest chunk the copies reached (a page
     brought in long before its copy may be evicted first and read twice): before any copy, only the first
     `ahead` chunks come in; once a copy reaches a chunk, the ones up to `ahead` past it do, and none further."""
-    from benchmarks.loaders.pagecache import evict
-    from raylazy.io.cooperative import in_page_cache, mapped, populating
-    from raylazy.storage.local import LocalSource
+    from raylazy.io.cooperative import in_page_cache, populating
 
     mib, size = 1 << 20, 96 << 20
-    path = tmp_path / "f.bin"
-    with open(path, "wb") as f:
-        f.write(os.urandom(size))
-        os.fsync(f.fileno())
-    if evict([str(path)]):
-        pytest.skip("this file system keeps the file's pages after posix_fadvise(DONTNEED)")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        m = mapped(LocalSource(str(path), fd, size))
+    with _evicted_mapping(tmp_path, size) as (m, _):
         base = m.data_ptr()
 
         def settled(end: int) -> None:  # wait until [0, end) is in, then a moment for anything further
@@ -348,7 +351,3 @@ def test_populating_stays_a_window_ahead_of_the_copies(tmp_path):
             reached(base + size + 4096)  # past every chunk: moves nothing
             time.sleep(0.3)
             assert not in_page_cache(base + 64 * mib, size - 64 * mib)
-        assert torch.equal(m, torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
-    finally:
-        del m
-        os.close(fd)
