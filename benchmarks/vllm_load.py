@@ -27,7 +27,8 @@ checkpoint's dtype and the dtype vLLM serves it in (the same by default; `bfloat
 while loading); several are alternated like the formats. The table gives medians
 (and the range) over the repetitions; every run's numbers go to stderr as JSON. The default checkpoint is the
 benchmark's Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32),
-built on first use.
+built on first use; `--shape small` a smaller one of more, smaller tensors (9 layers of hidden 1024, one 0.41 GB
+file), where the fixed cost of raylazy's step (its recording pass, the node's agreement) weighs most.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
-#: The benchmark checkpoint: Llama-shaped, bf16, 3 layers (0.53 GB).
-SPEC = ModelSpec(layers=3)
+#: The benchmark checkpoints (`--shape`), Llama-shaped: "default" 3 layers of hidden 2048 (0.53 GB in bf16, in 3
+#: files); "small" 9 layers of hidden 1024 in one file (0.41 GB), where raylazy's fixed cost per load weighs most.
+SHAPES = {"default": ModelSpec(layers=3),
+          "small": ModelSpec(hidden=1024, intermediate=4096, heads=16, kv_heads=8, layers=9, shard_size="1GB")}
 
 
 def load_format(spec: str) -> tuple[str, dict]:
@@ -203,12 +206,13 @@ def dtype_case(model: str, served: str) -> str:
     return stored if stored == served else f"{stored}->{served}"
 
 
-def checkpoints(model: str | None, cases: list[str]) -> list[tuple[str, str]]:
-    """(checkpoint directory, dtype served) for each `CHECKPOINT[:SERVED]` case; `--model` serves its own."""
+def checkpoints(model: str | None, cases: list[str], shape: str = "default") -> list[tuple[str, str]]:
+    """(checkpoint directory, dtype served) for each `CHECKPOINT[:SERVED]` case, of the benchmark's checkpoint of
+    `shape`; `--model` serves its own."""
     out = []
     for case in cases:
         stored, _, served = case.partition(":")
-        out.append((model or ensure_checkpoint(replace(SPEC, dtype=stored)), served or stored))
+        out.append((model or ensure_checkpoint(replace(SHAPES[shape], dtype=stored)), served or stored))
     return out
 
 
@@ -217,13 +221,15 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), help="load formats; raylazy:KEY=VALUE,... for options")
     ap.add_argument("--dtype", nargs="+", default=["bfloat16"], metavar="CHECKPOINT[:SERVED]",
                     help="the checkpoint's dtype and the one served (bfloat16:float32 converts while loading)")
+    ap.add_argument("--shape", choices=SHAPES, default="default",
+                    help="the benchmark checkpoint's shape (ignored with --model): " + ", ".join(SHAPES))
     ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
     ap.add_argument("--served", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
-    cases = checkpoints(args.model, args.dtype)
+    cases = checkpoints(args.model, args.dtype, args.shape)
     files = [f for model, _ in dict.fromkeys(cases) for f in checkpoint_files(model)]
     device = Device(files)
     for model, served in cases:

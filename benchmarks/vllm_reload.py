@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
-from benchmarks.vllm_load import SPEC, measure, prepare, run_options  # noqa: E402
+from benchmarks.vllm_load import SHAPES, measure, prepare, run_options  # noqa: E402
 
 
 def worker_io(worker) -> dict:
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.step, args.one, args.tp[0], args.cache[0])), flush=True)
         return 0
-    source = args.model or ensure_checkpoint(SPEC)
+    source = args.model or ensure_checkpoint(SHAPES["default"])
     steps = [os.path.join(args.work, f"step-{i}") for i in (0, 1)]
     for step in steps:
         if not os.path.isdir(step):
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             for cache in args.cache:
                 for what in ("raylazy", "auto", "fresh"):
                     if what == "fresh":
-                        r = measure(steps[1], "auto", tp, cache, SPEC.dtype, device)
+                        r = measure(steps[1], "auto", tp, cache, SHAPES["default"].dtype, device)
                         r = {"seconds": r.get("ready_s"), "worker_read_bytes": r.get("worker_max"),
                              "node_read_bytes": r.get("read_bytes"),
                              "disk_bytes": r.get("disk_bytes"), **({"error": r["error"]} if "error" in r else {})}

@@ -14,7 +14,6 @@ from math import prod
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from ..core.boxes import Region
 from ..core.dtypes import itemsize, torch_dtype
@@ -121,8 +120,15 @@ def _op_name(func) -> str:
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    """The tensors in `value` (in lists, tuples and dicts too)."""
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    """The tensors in `value` (in lists, tuples and dicts too). Plain recursion, not torch's pytree: the watch asks
+    it of every op a consumer's run makes, and this is 2-3 x quicker on an op's few arguments."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return []
+    return [t for v in value for t in _tensors(v)]
 
 
 class _Watch(TorchFunctionMode):
