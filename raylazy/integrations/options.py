@@ -18,7 +18,10 @@ class LazyOptions(BaseModel):
     row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
     deciding each strided region on object storage), the batches (about `batch_bytes` of regions each besides
     those read in place; `batches_ahead` read beyond the ones being used: host memory about (batches_ahead + 2)
-    x batch_bytes), and `replay` (False: always run the consumer a second time)."""
+    x batch_bytes), `replay` (False: a recorded consumer is run a second time, never replayed) and `warm_copies`
+    (True: where the backend copies out of the files' mappings, "auto" or "cooperative", and every file is in the
+    page cache, nothing is recorded: the consumer's one run copies each region out of the mapping as it asks;
+    False: always record, read and replay)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -27,6 +30,7 @@ class LazyOptions(BaseModel):
     batch_bytes: int = Field(DEFAULT_BATCH_BYTES, ge=4096)
     batches_ahead: int = Field(1, ge=0, le=64)
     replay: bool = True
+    warm_copies: bool = True
 
 
 def lazy_options(options: Mapping | None) -> LazyOptions:

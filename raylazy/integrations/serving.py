@@ -13,7 +13,9 @@ alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own reg
 processes on one local file system, on the CPU) nothing is read ahead: each region is a view of its file's mapping
 (`raylazy.io.cooperative.mapped_box`), and a copy out of it into its destination, converting as it copies, is the
 only pass over its bytes, its page faults reading them once for the node (the page cache), as vLLM's own loader
-copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches.
+copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches. Where every
+file is in the page cache already, nothing is recorded: `AtOnce` serves the consumer's one run, each copy straight
+out of the mapping as it is asked.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import socket
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -38,7 +41,7 @@ from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
 from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
-from ..io.cooperative import box_mappable, mapped, mapped_box, populating
+from ..io.cooperative import box_mappable, in_page_cache, mapped, mapped_box, populating
 from ..storage import open_planned_files, storage_for
 from .lazy import LazyWeight
 from .options import LazyOptions
@@ -58,6 +61,7 @@ class RegionReader:
         self.files = tuple(map(FileRef.of, ckpt.files))
         self.stats = LazyStats(storage=self.storage.name if self.storage else "")
         self._sources: dict[int, object] = {}
+        self._maps: dict[int, torch.Tensor] = {}  # file -> its mapping (`mapping`)
         self._open = ExitStack()  # the files opened, closed on leaving
         self._lock = threading.Lock()
         self._none = RankPlan(rank=0, mesh=Mesh(), files=self.files, tensors=())
@@ -67,6 +71,7 @@ class RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._maps.clear()
         self._open.close()
         self._sources.clear()
 
@@ -77,6 +82,22 @@ class RegionReader:
                 self._sources.update(self._open.enter_context(open_planned_files(
                     self._none, new, self.options.reader.storage_options)))
             return {f: self._sources[f] for f in files}
+
+    def mapping(self, file: int) -> torch.Tensor:
+        """File `file` as a uint8 tensor over a mapping of it (`raylazy.io.cooperative.mapped`), made once."""
+        m = self._maps.get(file)
+        return m if m is not None else self._maps.setdefault(file, mapped(self.sources([file])[file]))
+
+    def mapped_box(self, region: Region) -> torch.Tensor:
+        """The region's box as a view of its file's mapping (only for a region `box_mappable` says a view shows)."""
+        return mapped_box(self.mapping(region.file), region)
+
+    def all_in_page_cache(self) -> bool:
+        """Whether every file is a local one whose pages a mapping shares and all of them are in the page cache now
+        (`raylazy.io.cooperative.in_page_cache`; the files are mapped to ask, the first one not there ends it)."""
+        if backend_for("cooperative", 1, "cpu", self.files, self.storage) != "cooperative":
+            return False
+        return all(in_page_cache(m.data_ptr(), m.numel()) for m in map(self.mapping, range(len(self.files))))
 
     def shard(self, region: Region, name: str):
         """The plan entry reading `region`."""
@@ -175,7 +196,7 @@ class Serving:
         self.reads, self.options, self.stats, self.device = reads, reads.options, reads.stats, str(device)
         self._left, self._out = dict(takes), dict(out or {})
         self._ring: list[torch.Tensor] | None = [] if ordered else None  # the reused buffers, in ordered takes
-        self._maps: dict[int, torch.Tensor] | None = None  # file -> its mapping, where regions are copied out of it
+        self._copying = False  # whether regions are copied out of their files' mappings
         self._reads_in_place = False  # whether, then, the regions read straight into their destination still are
         self.stats.regions, self.stats.bytes_needed = len(takes), sum(r.nbytes for r in takes)
         self.backend, self._batches, self._session = self._plan(group)
@@ -242,7 +263,7 @@ class Serving:
     def _copied_out(self, budget: float) -> tuple[str, list[_Batch], object]:
         """Cooperative: the regions copied out of the files' mappings; the others (those no view shows, and those
         read in place where they still are) read alone with ranged reads, in batches."""
-        self._maps = {}
+        self._copying = True
         return "cooperative", self._alone("ranged", budget)[1], nullcontext()
 
     def _node_batch(self, cut: list[list[Region]], local: int, backend: str, load_id: str, address: str) -> _Batch:
@@ -257,11 +278,11 @@ class Serving:
         return _Batch(cut[local], len(cut[local]), plans[local], node_read(backend, plan, sched, load_id, address))
 
     def __enter__(self) -> Serving:
-        if self._maps is not None:  # the regions copied out of the mappings brought in ahead, in checkpoint order
+        if self._copying:  # the regions copied out of the mappings brought in ahead, in checkpoint order
             spans = _merged(sorted((r.file, *r.span) for r in self._left if self._copied(r)))
             reader = self.options.reader
             self._reached = self._populating.enter_context(populating(
-                [(self._mapping(f), a, b) for f, a, b in spans], reader.threads, reader.chunk_bytes))
+                [(self.reads.mapping(f), a, b) for f, a, b in spans], reader.threads, reader.chunk_bytes))
         self._thread.start()
         return self
 
@@ -336,18 +357,12 @@ class Serving:
 
     def _copied(self, region: Region) -> bool:
         """Whether the region is copied out of its file's mapping."""
-        return self._maps is not None and box_mappable(region) and not (self._reads_in_place and region in self._out)
-
-    def _mapping(self, file: int) -> torch.Tensor:
-        if file not in self._maps:
-            self._maps[file] = mapped(self.reads.sources([file])[file])
-        return self._maps[file]
+        return self._copying and box_mappable(region) and not (self._reads_in_place and region in self._out)
 
     def _mapped_box(self, region: Region) -> torch.Tensor:
         """The region's box in its file's mapping; the threads populating it ahead are told the copies got there."""
-        mapping = self._mapping(region.file)
-        self._reached(mapping.data_ptr() + region.span[0])
-        return mapped_box(mapping, region)
+        self._reached(self.reads.mapping(region.file).data_ptr() + region.span[0])
+        return self.reads.mapped_box(region)
 
     def box(self, region: Region) -> torch.Tensor:
         """The region's box to copy out of, not to keep: a view of the file's mapping, else as read (`take`)."""
@@ -397,6 +412,31 @@ class Serving:
             copies = sorted(copies, key=lambda c: (self._batch_of.get(c.region, -1), c.region.order))
         for c in copies:
             c.do(self.box(c.region))
+
+
+class AtOnce:
+    """Lazy weights served as the consumer asks, in its one run: a copy goes out of the region's file mapping
+    straight into its destination (converting as it copies), an op raylazy cannot follow gets a copy of the
+    region (read alone where a view cannot show it: sub-byte dtypes). For a checkpoint wholly in the page cache
+    (`RegionReader.all_in_page_cache`), where nothing is left to read ahead or to share with the node: one pass over
+    the bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
+    region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`)."""
+
+    def __init__(self, reads: RegionReader):
+        self.reads, self.taken, self.opaque, self.in_place = reads, Counter(), Counter(), 0
+
+    def _box(self, region: Region) -> torch.Tensor:
+        return self.reads.mapped_box(region) if box_mappable(region) else self.reads.read_alone(region)
+
+    def take(self, region: Region) -> torch.Tensor:
+        self.taken[region] += 1
+        self.opaque[region] += 1
+        return self.reads.mapped_box(region).clone() if box_mappable(region) else self.reads.read_alone(region)
+
+    def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
+        self.taken[weight.region] += 1
+        self.in_place += weight.region.nbytes if box_mappable(weight.region) else 0
+        return Copy(dst, weight.region, weight.lens).do(self._box(weight.region))
 
 
 def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

@@ -5,7 +5,8 @@ The `vllm.general_plugins` entry point (`register`) makes the format known in ev
 worker, `RaylazyModelLoader` records the model's own `load_weights` over lazy weights (`raylazy.integrations.lazy`:
 which region of each checkpoint tensor its weight loaders copy where), then reads those regions with raylazy's
 readers, with the node's other workers, and replays the copies, or runs `load_weights` again where the recording
-cannot be replayed (`raylazy.integrations.serving`). Options: `model_loader_extra_config` (`LazyOptions`). Each
+cannot be replayed (`raylazy.integrations.serving`). Where every file is already in the page cache (for every
+worker), there is nothing to plan: its one run copies each region out of the files' mappings as it asks. Options: `model_loader_extra_config` (`LazyOptions`). Each
 worker logs one line (`raylazy.integrations.report.summary`).
 """
 
@@ -22,6 +23,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
 from ..io.stats import Meter
 from ..storage import open_checkpoint
@@ -29,8 +31,8 @@ from .lazy import lazy_weights
 from .options import LazyOptions, lazy_options
 from .recording import Recording, in_place, overlapping, wanted
 from .reload import keep, weights_for_reload
-from .report import summary
-from .serving import NodeGroup, RegionReader, Serving
+from .report import LazyStats, summary
+from .serving import AtOnce, NodeGroup, RegionReader, Serving
 
 logger = init_logger("vllm.raylazy")
 
@@ -87,43 +89,77 @@ class RaylazyModelLoader(BaseModelLoader):
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         meter = Meter()
         ckpt = _checkpoint(model_config, self.options)
-        device = next(model.parameters()).device
+        device, group = next(model.parameters()).device, _workers()
         with RegionReader(ckpt, self.options) as reads:
-            recording = Recording(reads.read_alone)
-            with recording.watching():
-                loaded = model.load_weights(lazy_weights(ckpt, recording))
-            recording.check_targets(itertools.chain(model.parameters(), model.buffers()))
-            replay = self.options.replay and recording.replayable
-            out = in_place(recording.copies, device) if replay else {}
-            takes = wanted(recording.copies, None if replay else recording.opaque)
-            ordered = replay and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
-            # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
-            with Serving(reads, takes, out, _workers(), device if replay else "cpu", ordered) as serving:
-                if replay:
-                    serving.replay(recording.copies)
-                else:
-                    loaded = model.load_weights(lazy_weights(ckpt, serving))
-        s = reads.stats
-        s.opaque_regions, s.opaque_bytes = len(recording.opaque), sum(r.nbytes for r in recording.opaque)
-        s.whole_opaque = sum(r.sizes == r.tensor.shape for r in recording.opaque)
+            if _copies_at_once(reads, self.options, group):
+                loaded, mode, why, takes = _at_once(model, ckpt, reads)
+            else:
+                loaded, mode, why, takes = _recorded(model, ckpt, reads, self.options, device, group)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         seconds, rchar = meter.elapsed()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        logger.info(summary(rank, s, ckpt.nbytes, params, "replay" if replay else "rerun", recording.why_not_replayable,
-                            rchar, seconds))
-        # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
-        keep(model, model_config, ckpt, wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}),
-             params)
+        logger.info(summary(rank, reads.stats, ckpt.nbytes, params, mode, why, rchar, seconds))
+        keep(model, model_config, ckpt, takes, params)
         if model_config.quantization is None and loaded is not None:
             # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
             # loader: it reads nothing of a loader but what every BaseModelLoader has
             DefaultModelLoader.track_weights_loading(self, model, loaded)
 
-
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module):
         """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now
         names, as lazy weights served synchronously (`raylazy.integrations.reload`)."""
         return weights_for_reload(model, model_config, self.options, _checkpoint, _workers(), logger)
+
+
+def _copies_at_once(reads: RegionReader, options: LazyOptions, group: NodeGroup | None) -> bool:
+    """Whether the load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
+    a backend that copies out of the files' mappings) and every file is in the page cache for every worker (one
+    flag gathered: the node's workers all record, or none; their options are the same, so all of them ask)."""
+    if not options.warm_copies or options.reader.backend not in ("auto", "cooperative"):
+        return False
+    here = reads.all_in_page_cache()
+    return all(group.all_gather(here)) if group is not None and group.size > 1 else here
+
+
+def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader):
+    """The model's `load_weights` once, over lazy weights copied out of the page cache as it asks: (what it loaded,
+    mode, why, each region's takes)."""
+    run = AtOnce(reads)
+    loaded = model.load_weights(lazy_weights(ckpt, run))
+    s = reads.stats
+    s.backend, s.regions, s.bytes_needed, s.in_place_bytes = ("cooperative", len(run.taken),
+                                                              sum(r.nbytes for r in run.taken), run.in_place)
+    _count_opaque(s, run.opaque)
+    return loaded, "at-once", "every file in the page cache", dict(run.taken)
+
+
+def _recorded(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, options: LazyOptions,
+              device: torch.device, group: NodeGroup | None):
+    """The model's `load_weights` recorded over lazy weights, the regions read (with the node's workers), then the
+    recording replayed or the model run again: (what it loaded, mode, why not a replay, each region's takes)."""
+    recording = Recording(reads.read_alone)
+    with recording.watching():
+        loaded = model.load_weights(lazy_weights(ckpt, recording))
+    recording.check_targets(itertools.chain(model.parameters(), model.buffers()))
+    replay = options.replay and recording.replayable
+    out = in_place(recording.copies, device) if replay else {}
+    takes = wanted(recording.copies, None if replay else recording.opaque)
+    ordered = replay and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
+    # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
+    with Serving(reads, takes, out, group, device if replay else "cpu", ordered) as serving:
+        if replay:
+            serving.replay(recording.copies)
+        else:
+            loaded = model.load_weights(lazy_weights(ckpt, serving))
+    _count_opaque(reads.stats, recording.opaque)
+    # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
+    return (loaded, "replay" if replay else "rerun", recording.why_not_replayable,
+            wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}))
+
+
+def _count_opaque(s: LazyStats, opaque: dict[Region, int]) -> None:
+    s.opaque_regions, s.opaque_bytes = len(opaque), sum(r.nbytes for r in opaque)
+    s.whole_opaque = sum(r.sizes == r.tensor.shape for r in opaque)
 
 
 def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:

@@ -5,6 +5,7 @@ bytes are read; its copies, replayed, or a second run of it, leave exactly what 
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import threading
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, in_place, wanted
 from raylazy.integrations.report import LazyStats, fields, summary
-from raylazy.integrations.serving import RegionReader, Serving
+from raylazy.integrations.serving import AtOnce, RegionReader, Serving
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support.checkpoints import build_checkpoint, reference_tensors
 
@@ -312,6 +313,50 @@ def test_ops_it_cannot_follow_are_read_at_once_and_counted(llama_dir):
     assert q_box.sizes == (ref[q[0]].shape[0], 4)  # the columns .t().narrow(0, 0, 4) took: no more
     assert len(rec.opaque) == len(q) + 2 * len(norm)  # q as narrowed; each norm: its first element, and whole
     assert stats.unplanned_regions == len(v) and stats.unplanned_bytes == sum(3 * ref[n].shape[1] * 2 for n in v)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype):
+    """Every file in the page cache: the consumer's one run copies each region straight out of the files' mappings
+    as it asks (`AtOnce`), converting as it copies, and leaves what safetensors' tensors cut would; an op it cannot
+    follow gets a copy of its own, which it may write into; each region's takes are counted. Evicted
+    (posix_fadvise DONTNEED), the checkpoint is no longer all in the page cache."""
+    from benchmarks.loaders.pagecache import evict, warm
+
+    ckpt = open_checkpoint(llama_copy)
+    files = [f.path for f in ckpt.files]
+    warm(files)
+    consume, params, cuts = tp_consumer(1, 2, dtype)
+    norms = {}
+
+    def consume_and_scale(weights):
+        weights = list(weights)
+        consume(weights)
+        for name, w in weights:
+            if name.endswith("input_layernorm.weight"):
+                norms[name] = w.narrow(0, 0, 8).mul_(0)  # in place, on a copy of its own: the mapping keeps its bytes
+
+    with RegionReader(ckpt, LazyOptions()) as reads:
+        assert reads.all_in_page_cache()
+        run = AtOnce(reads)
+        consume_and_scale(lazy_weights(ckpt, run))
+        again = AtOnce(reads)
+        consume(lazy_weights(ckpt, again))  # the same bytes, after the writes into the op's copies
+    ref = reference_tensors(llama_copy)
+    for name, t in ref.items():
+        assert torch.equal(params[name], cuts[name](t).to(params[name].dtype)), name
+        assert run.taken[next(r for r in run.taken if r.tensor.name == name and r not in run.opaque)] == 1
+    assert all(not n.any() for n in norms.values()) and len(norms) == len(run.opaque)
+    assert {r.tensor.name: r.sizes for r in run.opaque} == {n: (8,) for n in norms}
+    assert run.in_place == sum(p.numel() * ref[name].element_size() for name, p in params.items())
+    assert not again.opaque and again.taken == run.taken - run.opaque
+    for f in files:
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if evict(files):
+        pytest.skip("this file system keeps the files' pages after posix_fadvise(DONTNEED)")
+    with RegionReader(ckpt, LazyOptions()) as reads:
+        assert not reads.all_in_page_cache()
 
 
 @pytest.mark.parametrize("use, replayable", [("scale", False), ("read", False), ("beside", True)])

@@ -64,8 +64,11 @@ MAX_TOKENS = 12
 #: The fresh loads every worker of a raylazy engine makes, each as {"name", "format", "extra"}.
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"},
           {"name": "ranged", "format": "raylazy", "extra": {"backend": "ranged"}}]
+#: "raylazy" finds every file in the page cache (the engine's load and the default loader's just read them): it
+#: copies out of it at once; "cold" first evicts them: recorded, read through the page cache together, replayed.
 NODE_CHECKS = [{"name": "exchange", "format": "raylazy", "extra": {"backend": "exchange"}},
-               {"name": "rerun", "format": "raylazy", "extra": {"replay": False}}]
+               {"name": "rerun", "format": "raylazy", "extra": {"replay": False, "warm_copies": False}},
+               {"name": "cold", "format": "raylazy", "cold": True}]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -322,8 +325,8 @@ def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
     """Measured: with backend="ranged", each rank's read calls return its need, at most 1.05 x (experts read as
     slices: their tp part without expert parallelism, its own experts whole with it; a pipeline stage only its
     layers: tp=4 is tp=2 x pp=2 with expert parallelism), and each weight loader's use of every region was
-    followed: the engine's own load replayed its recording, with no region read at once for an op raylazy
-    cannot follow."""
+    followed: the ranged loads replayed their recordings and the engine's own load (recorded, or copied at once
+    out of the page cache) read no region at once for an op raylazy cannot follow."""
     result = _loaded(engines, (model, "raylazy", tp))
     assert [c["line"]["backend"] for c in result["checks"]["ranged"]] == ["ranged"] * tp
     _check_bytes(result, vllm_models[model])
@@ -331,7 +334,10 @@ def test_each_rank_reads_only_its_bytes(engines, vllm_models, model, tp):
         assert all(c["rchar"] < _data_bytes(vllm_models[model]) for c in result["checks"]["ranged"])
     own = result["lines"]
     assert [s["rank"] for s in own] == list(range(tp))
-    assert all(s["mode"] == "replay" and s["opaque_regions"] == s["unplanned_regions"] == 0 for s in own), own
+    assert [c["line"]["mode"] for c in result["checks"]["ranged"]] == ["replay"] * tp
+    lines = own + [c["line"] for c in result["checks"]["ranged"]]
+    assert all(s["mode"] in ("replay", "at-once") and s["opaque_regions"] == s["unplanned_regions"] == 0
+               for s in lines), lines
 
 
 def test_expert_and_pipeline_parallel_weights_match_vllm(engines):
@@ -366,15 +372,18 @@ def test_a_model_in_object_storage_loads_from_the_store(engines, vllm_models, s3
 @pytest.mark.parametrize("model", MODELS + MOE)
 def test_a_node_reads_together(engines, vllm_models, model):
     """tp=2, the default: both workers of the node read together through the page cache (cooperative), copying
-    out of a mapping of the files: their read calls return only the metadata. With the exchange, each worker
+    out of a mapping of the files: their read calls return only the metadata; recorded and replayed where the
+    files were evicted first, copied at once where every file is in the page cache. With the exchange, each worker
     reads a share of the node's union once and sends the other its bytes (over gloo here, as over NCCL on GPUs):
     measured, the workers' read calls together return the checkpoint's data once, however much of it both
     need (DeepSeek's replicated latent projections: more than 1.1 x the data)."""
     result = _loaded(engines, (model, "raylazy", 2))
     meta, data = _metadata_bytes(vllm_models[model]) + 4096, _data_bytes(vllm_models[model])
-    coop = result["checks"]["raylazy"]
-    assert [c["line"]["backend"] for c in coop] == ["cooperative"] * 2
-    assert all(c["rchar"] <= meta for c in coop)
+    warm, cold = result["checks"]["raylazy"], result["checks"]["cold"]
+    _same_weights(result["checks"], "cold", 2)
+    assert [(c["line"]["backend"], c["line"]["mode"]) for c in warm] == [("cooperative", "at-once")] * 2
+    assert [(c["line"]["backend"], c["line"]["mode"]) for c in cold] == [("cooperative", "replay")] * 2
+    assert all(c["rchar"] <= meta for c in warm + cold)
     ex = result["checks"]["exchange"]
     assert [c["line"]["backend"] for c in ex] == ["exchange"] * 2
     assert all(c["rchar"] >= 0.3 * data for c in ex)
