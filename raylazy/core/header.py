@@ -132,10 +132,13 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
 
 
 def _common_header(path: str, blob: bytes, text: str, data_start: int) -> tuple[list[TensorInfo], Any] | None:
-    """(tensors, metadata) of a header of the common form, read at C speed: no `\\u` escape (so every string
-    is its bytes, and no lone surrogate can hide in one), JSON Python reads as the reference does, every entry
-    the common one (`_common_entries`), no key repeated (`_distinct_keys`). None for any other header, which
-    `parse_header` then reads key by key."""
+    """(tensors, metadata) of a header of the common form, read at C speed: as safetensors writes it
+    (`_written_header`), else no `\\u` escape (so every string is its bytes, and no lone surrogate can hide in one),
+    JSON Python reads as the reference does, every entry the common one (`_common_entries`), no key repeated
+    (`_distinct_keys`). None for any other header, which `parse_header` then reads key by key."""
+    written = _written_header(blob, text, data_start)
+    if written is not None:
+        return written
     if b"\\u" in blob:
         return None
     try:
@@ -146,6 +149,54 @@ def _common_header(path: str, blob: bytes, text: str, data_start: int) -> tuple[
     if tensors is None or not _distinct_keys(blob, root, len(tensors)):
         return None
     return tensors, _check_metadata(path, root.get("__metadata__"))
+
+
+#: The bytes a JSON string may not hold raw (the reference refuses them, as Python's parser does).
+_CONTROL = bytes(range(32))
+#: A header's metadata as safetensors writes it, first: strings without escapes, and the comma after it.
+_WRITTEN_METADATA = re.compile(r'"__metadata__":\{((?:"[^"]*":"[^"]*"(?:,"[^"]*":"[^"]*")*)?)\},')
+_METADATA_PAIR = re.compile(r'"([^"]*)":"([^"]*)"')
+#: A tensor entry as safetensors writes it (compact, its fields in this order; dims past 0 and offsets as JSON
+#: spells integers under 20 digits), and the comma after it: its name, dtype, dims, begin and end.
+_WRITTEN_ENTRY = re.compile(
+    r'"([^"]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:[1-9][0-9]{0,18}(?:,[1-9][0-9]{0,18})*)?)\],'
+    r'"data_offsets":\[(0|[1-9][0-9]{0,18}),(0|[1-9][0-9]{0,18})\]\},')
+#: The characters of a `_WRITTEN_ENTRY` outside its five fields.
+_ENTRY_FRAME = len('"":{"dtype":"","shape":[],"data_offsets":[,]},')
+
+
+def _written_header(blob: bytes, text: str, data_start: int) -> tuple[list[TensorInfo], Any] | None:
+    """(tensors, metadata) of a header exactly as safetensors writes one: `{`, the metadata first if any, then
+    compact entries (`_WRITTEN_ENTRY`), `}`, then spaces to pad it; no backslash and no control character in it,
+    so every string is its characters. Read by one regular expression, without building the JSON's dicts and
+    lists; the entries found are the whole header when their lengths add up to it (`findall` skips what does not
+    match). None for any other header, or one whose entries are not common (`_common_entries`), or whose
+    names or metadata keys repeat: the JSON reading then decides."""
+    if b"\\" in blob or len(blob.translate(None, _CONTROL)) != len(blob):
+        return None
+    body = text.rstrip(" ")
+    if body[:1] != "{" or body[-1:] != "}":
+        return None
+    metadata, at = None, 1
+    m = _WRITTEN_METADATA.match(body, 1)
+    if m is not None:
+        pairs = _METADATA_PAIR.findall(m.group(1))
+        metadata, at = dict(pairs), m.end()
+        if len(metadata) != len(pairs):
+            return None
+    rest = body[at:-1] + ","
+    found = _WRITTEN_ENTRY.findall(rest)
+    if not found or sum(map(len, chain.from_iterable(found))) + _ENTRY_FRAME * len(found) != len(rest):
+        return None
+    names, dtypes, shapes, begins, ends = zip(*found)
+    if len(set(names)) != len(names) or "__metadata__" in names or not set(dtypes) <= _BITS.keys():
+        return None
+    dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes)}
+    tensors = _infos(names, dtypes, list(map(dims.__getitem__, shapes)), list(map(int, begins)),
+                     list(map(int, ends)), data_start)
+    if tensors is None:
+        return None
+    return tensors, None if metadata is None else MappingProxyType(metadata)
 
 
 def _distinct_keys(blob: bytes, root: dict, entries: int) -> bool:
@@ -171,8 +222,8 @@ _BITS = dict(DTYPE_BITS)
 def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
     """The tensors of a header whose every entry is the common one, checked field by field over all entries at
     once: exactly dtype, shape and data_offsets, a known dtype, dims and offsets integers in [0, 2**64) with no
-    empty dim, whole bytes that fill the offsets. None when any entry is not (`_check_entry` then finds it).
-    Sizes are worked out once per distinct (shape, dtype): a file's hundreds of tensors have a few dozen."""
+    empty dim, whole bytes that fill the offsets (`_infos`). None when any entry is not (`_check_entry` then
+    finds it)."""
     entries = {k: v for k, v in root.items() if k != "__metadata__"}
     values = list(entries.values())
     if not values:
@@ -188,14 +239,21 @@ def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
     shapes = list(map(tuple, shapes))
     if not set(map(type, chain.from_iterable(shapes))) <= {int} or set(map(len, offsets)) != {2}:
         return None
-    kinds = set(zip(shapes, dtypes))  # hashable now: every dim is an int
-    nbytes = {kind: _whole_bytes(*kind) for kind in kinds}
-    begins, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
+    return _infos(entries, dtypes, shapes, list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets)),
+                  data_start)
+
+
+def _infos(names, dtypes: list[str], shapes: list[tuple[int, ...]], begins: list, ends: list,
+           data_start: int) -> list[TensorInfo] | None:
+    """The TensorInfos of entries given field by field (known dtypes, dims integers), if their offsets are integers
+    in [0, 2**64) and each shape of its dtype is whole bytes (no empty dim) that fill its offsets; else None.
+    Sizes are worked out once per distinct (shape, dtype): a file's hundreds of tensors have a few dozen."""
+    nbytes = {kind: _whole_bytes(*kind) for kind in set(zip(shapes, dtypes))}
     if None in nbytes.values() or not _u64s(begins, 0) or not _u64s(ends, 0) \
             or any(map(ne, map(nbytes.__getitem__, zip(shapes, dtypes)), map(sub, ends, begins))):
         return None
     at = repeat(data_start)
-    return list(map(_new_info, zip(entries, dtypes, shapes, map(add, begins, at), map(add, ends, at))))
+    return list(map(_new_info, zip(names, dtypes, shapes, map(add, begins, at), map(add, ends, at))))
 
 
 #: A TensorInfo from its fields' tuple, made in C (`map` calls it once per tensor).
