@@ -15,7 +15,8 @@ from ..errors import ConfigurationError, StageError
 
 Stage = Literal["first", "last", "all", "embedding"]
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: `layers.<i>.` at the start of a name or after a dot, spelled to begin with the literal (as `placements._EXPERT`).
+_LAYER = re.compile(r"layers\.(?<![^.]layers\.)(\d+)\.")
 
 
 def layer_index(name: str) -> int | None:
