@@ -117,7 +117,8 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
                                             opts.expert_parallel, cfg.num_experts)
     context = lambda s, k, name: _context((k, tp, heads, kv_heads, uneven, name, coords[s][k], ep, experts))  # noqa: E731
     lists = [[per_rank[r] for r in stage] for stage in ranks]
-    every, known, cuts = tuple(range(tp)), {}, {}  # known: (weight, stage) -> holders; cuts: shape-only cuts
+    every, cuts = tuple(range(tp)), {}  # cuts: shape-only cuts
+    known = [{} for _ in ranks]  # stage -> weight -> holders
     for (fi, t), p, name, held_by in zip(tensors, placed, held, stages or repeat((0,))):
         if p is None:
             continue
@@ -126,10 +127,10 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
             for s in held_by:
                 holders = every
                 if p.holders:  # a placement that may leave ranks out
-                    holders = known.get((name, s))
+                    holders = known[s].get(name)
                     if holders is None:
                         found = p.placement.holders(t.shape, context(s, 0, name))
-                        holders = known[name, s] = every if found is None else found
+                        holders = known[s][name] = every if found is None else found
                 if p.shape_only:
                     key = (id(p), t.shape, t.dtype, s)
                     shared = cuts.get(key) or cuts.setdefault(key, [_UNCUT] * tp)
