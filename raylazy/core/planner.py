@@ -154,6 +154,8 @@ def _shards(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], placed: lis
 
 #: A ShardContext from the tuple of all its fields, made in C (one per tensor a placement is asked about).
 _context = partial(tuple.__new__, ShardContext)
+#: A (rule, layout) not placed yet (`_placements`; None there: its tensors are not loaded).
+_UNPLACED = object()
 #: A rank's cut not asked of its placement yet (None: the rank takes the whole tensor).
 _UNCUT = object()
 
@@ -190,25 +192,26 @@ def _placements(ckpt: Checkpoint, tensors: list[tuple[int, TensorInfo]], rules: 
         raise type(e)(f"{ckpt.root}: {e}") from None
     drop = set() if opts.keep_mtp else _mtp_names(cfg, by_name)
     names = [t.name for _, t in tensors]
-    held = [layout[n].weight if n in layout else n for n in names] if layout else names
+    found = list(map(layout.get, names)) if layout else repeat(None)  # each tensor's Companion, or None
+    held = [c.weight if c else n for n, c in zip(names, found)] if layout else names
     chosen = match(rules, dict.fromkeys([w for n, w in zip(names, held) if n not in drop] if drop else held),
                    cfg.model_type)
-    shared: dict[tuple[int, int], Placed] = {}  # (rule, companion layout) -> how its tensors are placed
+    shared: dict[tuple[int, int], Placed | None] = {}  # (rule, companion layout) -> how its tensors are placed
     placed: list[Placed | None] = []
     skipped = dict.fromkeys(drop)
-    for name, weight in zip(names, held):
+    for name, weight, c in zip(names, held, found):
         rule = None if name in skipped else chosen[weight]
-        if rule is None or not rule.placement.loaded:
-            skipped[name] = None
-            placed.append(None)
-            continue
-        c = layout.get(name) if layout else None
         key = (id(rule), id(c.layout) if c else 0)
-        p = shared.get(key)
+        p = shared.get(key, _UNPLACED)
+        if p is _UNPLACED:
+            if rule is None or not rule.placement.loaded:
+                p = None
+            else:
+                f = Following(rule.placement, c.layout) if c else rule.placement
+                p = Placed(f, f.describe(), rule.pattern, type(f).holders is not Placement.holders, f.shape_only())
+            shared[key] = p
         if p is None:
-            f = Following(rule.placement, c.layout) if c else rule.placement
-            p = shared[key] = Placed(f, f.describe(), rule.pattern, type(f).holders is not Placement.holders,
-                                     f.shape_only())
+            skipped[name] = None
         placed.append(p)
     return placed, held, [n for n in by_name if n in skipped] if skipped else []
 

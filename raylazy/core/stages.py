@@ -56,18 +56,22 @@ def tensor_stages(
     by_layer = [(s,) for s, n in enumerate(counts) for _ in range(n)] + [(pp - 1,)] * extra  # layer -> its stage
     named = {"first": (0,), "last": (pp - 1,), "all": tuple(range(pp)),
              "embedding": tuple(sorted({0, pp - 1})) if tied else (0,)}
+    spelled = {str(i): stages for i, stages in enumerate(by_layer)}  # a layer's digits -> its stage
     out: list[tuple[int, ...] | None] = []
     search = _LAYER.search
     for name, rule_name in zip(names, ruled):
         m = name and search(name)
         if m:
-            layer = int(m.group(1))
-            if layer >= len(by_layer):
-                raise StageError(f"tensor {name!r} is in layer {layer}, but the model has {layers} layers "
-                                 f"(config.json's num_hidden_layers; layers 0-{layers - 1}) "
-                                 f"and {extra} multi-token-prediction layer(s) after them (num_nextn_predict_layers; "
-                                 f"kept with keep_mtp=True); skip the layer with rules=[('*layers.{layer}.*', Skip())]")
-            out.append(by_layer[layer])
+            stages = spelled.get(m.group(1))
+            if stages is None:  # past the last layer, or spelled otherwise (`layers.07.`)
+                layer = int(m.group(1))
+                if layer >= len(by_layer):
+                    raise StageError(f"tensor {name!r} is in layer {layer}, but the model has {layers} layers "
+                                     f"(config.json's num_hidden_layers; layers 0-{layers - 1}) and {extra} "
+                                     "multi-token-prediction layer(s) after them (num_nextn_predict_layers; kept with "
+                                     f"keep_mtp=True); skip the layer with rules=[('*layers.{layer}.*', Skip())]")
+                stages = by_layer[layer]
+            out.append(stages)
         elif name is None:
             out.append(None)
         else:
