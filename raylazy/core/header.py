@@ -161,16 +161,14 @@ _METADATA_PAIR = re.compile(r'"([^"]*)":"([^"]*)"')
 _WRITTEN_ENTRY = re.compile(
     r'"([^"]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:[1-9][0-9]{0,18}(?:,[1-9][0-9]{0,18})*)?)\],'
     r'"data_offsets":\[(0|[1-9][0-9]{0,18}),(0|[1-9][0-9]{0,18})\]\},')
-#: The characters of a `_WRITTEN_ENTRY` outside its five fields.
-_ENTRY_FRAME = len('"":{"dtype":"","shape":[],"data_offsets":[,]},')
 
 
 def _written_header(blob: bytes, text: str, data_start: int) -> tuple[list[TensorInfo], Any] | None:
     """(tensors, metadata) of a header exactly as safetensors writes one: `{`, the metadata first if any, then
     compact entries (`_WRITTEN_ENTRY`), `}`, then spaces to pad it; no backslash and no control character in it,
     so every string is its characters. Read by one regular expression, without building the JSON's dicts and
-    lists; the entries found are the whole header when their lengths add up to it (`findall` skips what does not
-    match). None for any other header, or one whose entries are not common (`_common_entries`), or whose
+    lists: the header split at its entries, into their fields and the text between them, all of it empty.
+    None for any other header, or one whose entries are not common (`_common_entries`), or whose
     names or metadata keys repeat: the JSON reading then decides."""
     if b"\\" in blob or len(blob.translate(None, _CONTROL)) != len(blob):
         return None
@@ -184,11 +182,10 @@ def _written_header(blob: bytes, text: str, data_start: int) -> tuple[list[Tenso
         metadata, at = dict(pairs), m.end()
         if len(metadata) != len(pairs):
             return None
-    rest = body[at:-1] + ","
-    found = _WRITTEN_ENTRY.findall(rest)
-    if not found or sum(map(len, chain.from_iterable(found))) + _ENTRY_FRAME * len(found) != len(rest):
+    pieces = _WRITTEN_ENTRY.split(body[at:-1] + ",")  # what lies before each entry, its 5 fields, ..., the end
+    if len(pieces) == 1 or any(pieces[::6]):  # no entry, or text between entries (or after the last)
         return None
-    names, dtypes, shapes, begins, ends = zip(*found)
+    names, dtypes, shapes, begins, ends = (pieces[i::6] for i in range(1, 6))
     if len(set(names)) != len(names) or "__metadata__" in names or not set(dtypes) <= _BITS.keys():
         return None
     dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes)}
@@ -214,8 +211,8 @@ def _distinct_keys(blob: bytes, root: dict, entries: int) -> bool:
     return blob.count(b":") == keys + sum(map(str.count, strings, [":"] * len(strings)))
 
 
-_DTYPE, _SHAPE, _OFFSETS, _BY_RANGE = (itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets"),
-                                       attrgetter("start", "end"))
+_DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
+_START, _END, _BY_RANGE = attrgetter("start"), attrgetter("end"), attrgetter("start", "end")
 _BITS = dict(DTYPE_BITS)
 
 
@@ -465,6 +462,12 @@ def _check_entry(path: str, name: str, entry: Any, data_start: int) -> TensorInf
 
 
 def _check_layout(path: str, tensors: list[TensorInfo], data_start: int, file_size: int) -> None:
+    """DataLayoutError or FileSizeMismatchError unless `tensors` (in offset order) fill the data section
+    [`data_start`, `file_size`) one after another: checked for all at once, then tensor by tensor to name the
+    first that does not."""
+    ends = [data_start, *map(_END, tensors)]
+    if ends[-1] == file_size and ends[:-1] == list(map(_START, tensors)):
+        return
     expected = data_start
     for t in tensors:
         if t.start != expected:
