@@ -119,8 +119,9 @@ def parse_header(data: bytes, file_size: int, path: str = "<bytes>") -> FileHead
                 tensors.append(_check_entry(path, name, entry, 8 + header_len))
     else:
         tensors, metadata = common
-    tensors.sort(key=_BY_RANGE)
-    _check_layout(path, tensors, 8 + header_len, file_size)
+    if not _fills(tensors, 8 + header_len, file_size):  # not in offset order (or not laid out right)
+        tensors.sort(key=_BY_RANGE)
+        _check_layout(path, tensors, 8 + header_len, file_size)
     return FileHeader(
         path=path,
         file_size=file_size,
@@ -461,12 +462,17 @@ def _check_entry(path: str, name: str, entry: Any, data_start: int) -> TensorInf
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
+def _fills(tensors: list[TensorInfo], data_start: int, file_size: int) -> bool:
+    """Whether `tensors`, in their order, fill the data section [`data_start`, `file_size`) one after another
+    (then they are in offset order already, as safetensors writes them)."""
+    ends = [data_start, *map(_END, tensors)]
+    return ends[-1] == file_size and ends[:-1] == list(map(_START, tensors))
+
+
 def _check_layout(path: str, tensors: list[TensorInfo], data_start: int, file_size: int) -> None:
     """DataLayoutError or FileSizeMismatchError unless `tensors` (in offset order) fill the data section
-    [`data_start`, `file_size`) one after another: checked for all at once, then tensor by tensor to name the
-    first that does not."""
-    ends = [data_start, *map(_END, tensors)]
-    if ends[-1] == file_size and ends[:-1] == list(map(_START, tensors)):
+    [`data_start`, `file_size`) one after another (`_fills`; tensor by tensor to name the first that does not)."""
+    if _fills(tensors, data_start, file_size):
         return
     expected = data_start
     for t in tensors:
