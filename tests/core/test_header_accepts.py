@@ -66,6 +66,36 @@ def test_matches_safetensors_on_save_file_output(tmp_path, with_metadata):
     assert (dict(header.metadata) if header.metadata is not None else None) == metadata
 
 
+@pytest.mark.parametrize("metadata", [None, {"format": "pt", "note": "é ✓"}, {}])
+def test_headers_as_safetensors_writes_them_read_as_their_json(monkeypatch, metadata):
+    """save_file's headers (compact, the metadata first, padded with spaces) are read without the JSON parser
+    (`_written_header`) into exactly what the JSON path reads; the same header spelled otherwise (the metadata
+    last, spaces after the separators, an entry's fields in another order) is not of that form, and still read."""
+    from raylazy.core import header as h
+
+    tensors = {f"model.layers.{i}.w{i}": _random_tensor(dt, shape, i) for i, (dt, shape) in
+               enumerate([(torch.bfloat16, (3, 5)), (torch.float32, (7,)), (torch.int8, ()), (torch.float16, (2, 3, 4))])}
+    blob = safetensors.torch.save(tensors, metadata=metadata)
+    n = int.from_bytes(blob[:8], "little")
+    raw = json.loads(blob[8 : 8 + n])
+    data = blob[8 + n :]
+    entries = {k: v for k, v in raw.items() if k != "__metadata__"}
+    variants = [blob, build({**entries, "__metadata__": raw.get("__metadata__", {})}, data),
+                build(json.dumps(raw), data),
+                build({k: {"shape": v["shape"], "dtype": v["dtype"], "data_offsets": v["data_offsets"]}
+                       for k, v in entries.items()}, data)]
+    for i, b in enumerate(variants):
+        k = int.from_bytes(b[:8], "little")
+        written = h._written_header(b[8 : 8 + k], b[8 : 8 + k].decode(), 8 + k)
+        assert (written is not None) == (i == 0), i
+        fast = parse_header(b, len(b))
+        with monkeypatch.context() as m:
+            m.setattr(h, "_written_header", lambda *a: None)
+            assert parse_header(b, len(b)) == fast, i
+        assert [(t.name, t.dtype, t.shape) for t in fast.tensors] == [
+            (name, v["dtype"], tuple(v["shape"])) for name, v in sorted(entries.items(), key=lambda e: e[1]["data_offsets"])]
+
+
 def test_parse_header_equals_read_header(tmp_path):
     path = str(tmp_path / "st.safetensors")
     save_file({"a": torch.randn(4, 4), "b": torch.arange(6, dtype=torch.int32)}, path, metadata={"k": "v"})
