@@ -19,7 +19,7 @@ class LazyOptions(BaseModel):
     deciding each strided region on object storage), the batches (about `batch_bytes` of regions each besides
     those read in place; `batches_ahead` read beyond the ones being used: host memory about (batches_ahead + 2)
     x batch_bytes), `replay` (False: a recorded consumer is run a second time, never replayed) and `warm_copies`
-    (True: where the backend copies out of the files' mappings, "auto" or "cooperative", and every file is in the
+    (True: where the backend copies out of the files' mappings, "auto" or "cooperative", and the files are in the
     page cache, nothing is recorded: the consumer's one run copies each region out of the mapping as it asks;
     False: always record, read and replay)."""
 

@@ -41,12 +41,16 @@ from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
 from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
-from ..io.cooperative import box_mappable, in_page_cache, mapped, mapped_box, populating
+from ..io.cooperative import box_mappable, cached_share, mapped, mapped_box, populating
 from ..storage import open_planned_files, storage_for
 from .lazy import LazyWeight
 from .options import LazyOptions
 from .recording import Copy, overlapping
 from .report import LazyStats
+
+#: The share of each file's pages in the page cache from which a checkpoint counts as there (`RegionReader.warm`):
+#: the few pages a proactive reclaim took meanwhile (some virtual machines run one) the copies' faults read again.
+WARM_SHARE = 0.9
 
 
 class RegionReader:
@@ -92,12 +96,14 @@ class RegionReader:
         """The region's box as a view of its file's mapping (only for a region `box_mappable` says a view shows)."""
         return mapped_box(self.mapping(region.file), region)
 
-    def all_in_page_cache(self) -> bool:
-        """Whether every file is a local one whose pages a mapping shares and all of them are in the page cache now
-        (`raylazy.io.cooperative.in_page_cache`; the files are mapped to ask, the first one not there ends it)."""
+    def warm(self) -> bool:
+        """Whether the checkpoint is in the page cache: local files whose pages a mapping shares, each at least
+        `WARM_SHARE` there (`raylazy.io.cooperative.cached_share`, a sample; the files are mapped to ask, and the
+        first one short of it ends the asking)."""
         if backend_for("cooperative", 1, "cpu", self.files, self.storage) != "cooperative":
             return False
-        return all(in_page_cache(m.data_ptr(), m.numel()) for m in map(self.mapping, range(len(self.files))))
+        return all(cached_share(m.data_ptr(), m.numel()) >= WARM_SHARE
+                   for m in map(self.mapping, range(len(self.files))))
 
     def shard(self, region: Region, name: str):
         """The plan entry reading `region`."""
@@ -418,7 +424,7 @@ class AtOnce:
     """Lazy weights served as the consumer asks, in its one run: a copy goes out of the region's file mapping
     straight into its destination (converting as it copies), an op raylazy cannot follow gets a copy of the
     region (read alone where a view cannot show it: sub-byte dtypes). For a checkpoint wholly in the page cache
-    (`RegionReader.all_in_page_cache`), where nothing is left to read ahead or to share with the node: one pass over
+    (`RegionReader.warm`), where nothing is left to read ahead or to share with the node: one pass over
     the bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
     region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`)."""
 

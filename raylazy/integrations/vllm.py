@@ -5,7 +5,7 @@ The `vllm.general_plugins` entry point (`register`) makes the format known in ev
 worker, `RaylazyModelLoader` records the model's own `load_weights` over lazy weights (`raylazy.integrations.lazy`:
 which region of each checkpoint tensor its weight loaders copy where), then reads those regions with raylazy's
 readers, with the node's other workers, and replays the copies, or runs `load_weights` again where the recording
-cannot be replayed (`raylazy.integrations.serving`). Where every file is already in the page cache (for every
+cannot be replayed (`raylazy.integrations.serving`). Where the files are already in the page cache (for every
 worker), there is nothing to plan: its one run copies each region out of the files' mappings as it asks. Options: `model_loader_extra_config` (`LazyOptions`). Each
 worker logs one line (`raylazy.integrations.report.summary`).
 """
@@ -113,11 +113,11 @@ class RaylazyModelLoader(BaseModelLoader):
 
 def _copies_at_once(reads: RegionReader, options: LazyOptions, group: NodeGroup | None) -> bool:
     """Whether the load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
-    a backend that copies out of the files' mappings) and every file is in the page cache for every worker (one
+    a backend that copies out of the files' mappings) and the checkpoint is in the page cache for every worker (one
     flag gathered: the node's workers all record, or none; their options are the same, so all of them ask)."""
     if not options.warm_copies or options.reader.backend not in ("auto", "cooperative"):
         return False
-    here = reads.all_in_page_cache()
+    here = reads.warm()
     return all(group.all_gather(here)) if group is not None and group.size > 1 else here
 
 
@@ -130,7 +130,7 @@ def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader):
     s.backend, s.regions, s.bytes_needed, s.in_place_bytes = ("cooperative", len(run.taken),
                                                               sum(r.nbytes for r in run.taken), run.in_place)
     _count_opaque(s, run.opaque)
-    return loaded, "at-once", "every file in the page cache", dict(run.taken)
+    return loaded, "at-once", "the checkpoint in the page cache", dict(run.taken)
 
 
 def _recorded(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, options: LazyOptions,

@@ -320,7 +320,7 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
     """Every file in the page cache: the consumer's one run copies each region straight out of the files' mappings
     as it asks (`AtOnce`), converting as it copies, and leaves what safetensors' tensors cut would; an op it cannot
     follow gets a copy of its own, which it may write into; each region's takes are counted. Evicted
-    (posix_fadvise DONTNEED), the checkpoint is no longer all in the page cache."""
+    (posix_fadvise DONTNEED), the checkpoint is no longer in the page cache."""
     from benchmarks.loaders.pagecache import evict, warm
 
     ckpt = open_checkpoint(llama_copy)
@@ -337,7 +337,7 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
                 norms[name] = w.narrow(0, 0, 8).mul_(0)  # in place, on a copy of its own: the mapping keeps its bytes
 
     with RegionReader(ckpt, LazyOptions()) as reads:
-        assert reads.all_in_page_cache()
+        assert reads.warm()
         run = AtOnce(reads)
         consume_and_scale(lazy_weights(ckpt, run))
         again = AtOnce(reads)
@@ -356,7 +356,7 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
     if evict(files):
         pytest.skip("this file system keeps the files' pages after posix_fadvise(DONTNEED)")
     with RegionReader(ckpt, LazyOptions()) as reads:
-        assert not reads.all_in_page_cache()
+        assert not reads.warm()
 
 
 @pytest.mark.parametrize("use, replayable", [("scale", False), ("read", False), ("beside", True)])

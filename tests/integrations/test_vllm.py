@@ -64,7 +64,7 @@ MAX_TOKENS = 12
 #: The fresh loads every worker of a raylazy engine makes, each as {"name", "format", "extra"}.
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"},
           {"name": "ranged", "format": "raylazy", "extra": {"backend": "ranged"}}]
-#: "raylazy" finds every file in the page cache (the engine's load and the default loader's just read them): it
+#: "raylazy" finds the files in the page cache (the engine's load and the default loader's just read them): it
 #: copies out of it at once; "cold" first evicts them: recorded, read through the page cache together, replayed.
 NODE_CHECKS = [{"name": "exchange", "format": "raylazy", "extra": {"backend": "exchange"}},
                {"name": "rerun", "format": "raylazy", "extra": {"replay": False, "warm_copies": False}},
@@ -373,7 +373,7 @@ def test_a_model_in_object_storage_loads_from_the_store(engines, vllm_models, s3
 def test_a_node_reads_together(engines, vllm_models, model):
     """tp=2, the default: both workers of the node read together through the page cache (cooperative), copying
     out of a mapping of the files: their read calls return only the metadata; recorded and replayed where the
-    files were evicted first, copied at once where every file is in the page cache. With the exchange, each worker
+    files were evicted first, copied at once where the files are in the page cache. With the exchange, each worker
     reads a share of the node's union once and sends the other its bytes (over gloo here, as over NCCL on GPUs):
     measured, the workers' read calls together return the checkpoint's data once, however much of it both
     need (DeepSeek's replicated latent projections: more than 1.1 x the data)."""

@@ -324,6 +324,23 @@ def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds
             assert not any(t.name == "raylazy-populate" for t in threading.enumerate())
 
 
+def test_the_cached_share_is_a_sample_of_what_the_page_cache_holds(tmp_path):
+    """`cached_share` (whether the vLLM format finds a checkpoint in the page cache) samples a page every 2 MiB:
+    evicted, none of a 64 MB file is there; its first half read, about half (and the kernel's read-ahead); read
+    whole, all of it, as a mincore of every page says."""
+    from raylazy.io.cooperative import cached_share, in_page_cache
+
+    size = 64 << 20
+    with _evicted_mapping(tmp_path, size) as (m, path):
+        assert cached_share(m.data_ptr(), size) == 0
+        with open(path, "rb") as f:
+            f.read(size // 2)
+        assert 0.45 <= cached_share(m.data_ptr(), size) <= 0.75  # and what the kernel read ahead past it
+        assert not in_page_cache(m.data_ptr(), size)
+        path.read_bytes()
+        assert cached_share(m.data_ptr(), size) == 1 and in_page_cache(m.data_ptr(), size)
+
+
 def test_populating_stays_a_window_ahead_of_the_copies(tmp_path):
     """The threads populate no further than `ahead` chunks past the furthest chunk the copies reached (a page
     brought in long before its copy may be evicted first and read twice): before any copy, only the first
