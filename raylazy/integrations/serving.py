@@ -13,9 +13,9 @@ alone on its node, or asked for `ranged` or `fastsafetensors`, reads its own reg
 processes on one local file system, on the CPU) nothing is read ahead: each region is a view of its file's mapping
 (`raylazy.io.cooperative.mapped_box`), and a copy out of it into its destination, converting as it copies, is the
 only pass over its bytes, its page faults reading them once for the node (the page cache), as vLLM's own loader
-copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches. Where every
-file is in the page cache already, nothing is recorded: `AtOnce` serves the consumer's one run, each copy straight
-out of the mapping as it is asked.
+copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches. Where the
+checkpoint is in the page cache already, nothing is recorded: `AtOnce` serves the consumer's one run, each copy
+straight out of the mapping as it is asked.
 """
 
 from __future__ import annotations
@@ -242,8 +242,8 @@ class Serving:
         index = {t.name: i for i, (_, t) in enumerate(tensors)}
         me = _Peer(node_key(), serve_rendezvous("127.0.0.1"), uuid.uuid4().hex,
                    [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
-        peers = group.all_gather(me)
-        here = [i for i, p in enumerate(peers) if p.node == me.node]
+        peers = group.all_gather(me)  # None from a process copying at once (`stand_aside`): not reading with us
+        here = [i for i, p in enumerate(peers) if p is not None and p.node == me.node]
         backend = backend_for(requested, len(here), self.device, self.reads.files, self.reads.storage)
         if backend != "exchange" or here[0] != group.rank:  # the node meets at its first process's server, if at all
             close_rendezvous(me.address)
@@ -423,9 +423,9 @@ class Serving:
 class AtOnce:
     """Lazy weights served as the consumer asks, in its one run: a copy goes out of the region's file mapping
     straight into its destination (converting as it copies), an op raylazy cannot follow gets a copy of the
-    region (read alone where a view cannot show it: sub-byte dtypes). For a checkpoint wholly in the page cache
-    (`RegionReader.warm`), where nothing is left to read ahead or to share with the node: one pass over
-    the bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
+    region (read alone where a view cannot show it: sub-byte dtypes). For a checkpoint in the page cache
+    (`RegionReader.warm`), where nothing is left to read ahead or to share with the node: one pass over the
+    bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
     region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`)."""
 
     def __init__(self, reads: RegionReader):
@@ -443,6 +443,14 @@ class AtOnce:
         self.taken[weight.region] += 1
         self.in_place += weight.region.nbytes if box_mappable(weight.region) else 0
         return Copy(dst, weight.region, weight.lens).do(self._box(weight.region))
+
+
+def stand_aside(group: NodeGroup | None) -> None:
+    """The part in its load's one gathering of a process that reads nothing with the others (`AtOnce`): those that
+    record plan their node's read without it (`Serving`). Each process of a load gathers once, whichever way it
+    loads, so none has to wait for the others before it starts."""
+    if group is not None and group.size > 1:
+        group.all_gather(None)
 
 
 def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

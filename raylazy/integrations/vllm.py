@@ -5,9 +5,10 @@ The `vllm.general_plugins` entry point (`register`) makes the format known in ev
 worker, `RaylazyModelLoader` records the model's own `load_weights` over lazy weights (`raylazy.integrations.lazy`:
 which region of each checkpoint tensor its weight loaders copy where), then reads those regions with raylazy's
 readers, with the node's other workers, and replays the copies, or runs `load_weights` again where the recording
-cannot be replayed (`raylazy.integrations.serving`). Where the files are already in the page cache (for every
-worker), there is nothing to plan: its one run copies each region out of the files' mappings as it asks. Options: `model_loader_extra_config` (`LazyOptions`). Each
-worker logs one line (`raylazy.integrations.report.summary`).
+cannot be replayed (`raylazy.integrations.serving`). Where the checkpoint is in the page cache already (for every
+worker), there is nothing to plan: the one run copies each region out of the files' mappings as it asks.
+Options: `model_loader_extra_config` (`LazyOptions`). Each worker logs one line
+(`raylazy.integrations.report.summary`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .options import LazyOptions, lazy_options
 from .recording import Recording, in_place, overlapping, wanted
 from .reload import keep, weights_for_reload
 from .report import LazyStats, summary
-from .serving import AtOnce, NodeGroup, RegionReader, Serving
+from .serving import AtOnce, NodeGroup, RegionReader, Serving, stand_aside
 
 logger = init_logger("vllm.raylazy")
 
@@ -91,8 +92,8 @@ class RaylazyModelLoader(BaseModelLoader):
         ckpt = _checkpoint(model_config, self.options)
         device, group = next(model.parameters()).device, _workers()
         with RegionReader(ckpt, self.options) as reads:
-            if _copies_at_once(reads, self.options, group):
-                loaded, mode, why, takes = _at_once(model, ckpt, reads)
+            if _copies_at_once(reads, self.options):
+                loaded, mode, why, takes = _at_once(model, ckpt, reads, group)
             else:
                 loaded, mode, why, takes = _recorded(model, ckpt, reads, self.options, device, group)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -111,21 +112,21 @@ class RaylazyModelLoader(BaseModelLoader):
         return weights_for_reload(model, model_config, self.options, _checkpoint, _workers(), logger)
 
 
-def _copies_at_once(reads: RegionReader, options: LazyOptions, group: NodeGroup | None) -> bool:
+def _copies_at_once(reads: RegionReader, options: LazyOptions) -> bool:
     """Whether the load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
-    a backend that copies out of the files' mappings) and the checkpoint is in the page cache for every worker (one
-    flag gathered: the node's workers all record, or none; their options are the same, so all of them ask)."""
-    if not options.warm_copies or options.reader.backend not in ("auto", "cooperative"):
-        return False
-    here = reads.warm()
-    return all(group.all_gather(here)) if group is not None and group.size > 1 else here
+    a backend that copies out of the files' mappings) and the checkpoint is in the page cache."""
+    return options.warm_copies and options.reader.backend in ("auto", "cooperative") and reads.warm()
 
 
-def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader):
-    """The model's `load_weights` once, over lazy weights copied out of the page cache as it asks: (what it loaded,
-    mode, why, each region's takes)."""
+def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, group: NodeGroup | None):
+    """The model's `load_weights` once, over lazy weights copied out of the page cache as it asks, then this
+    worker's part in the load's gathering (`stand_aside`: workers of the engine that found the checkpoint elsewhere
+    record, and read together without it): (what it loaded, mode, why, each region's takes)."""
     run = AtOnce(reads)
-    loaded = model.load_weights(lazy_weights(ckpt, run))
+    try:
+        loaded = model.load_weights(lazy_weights(ckpt, run))
+    finally:
+        stand_aside(group)
     s = reads.stats
     s.backend, s.regions, s.bytes_needed, s.in_place_bytes = ("cooperative", len(run.taken),
                                                               sum(r.nbytes for r in run.taken), run.in_place)

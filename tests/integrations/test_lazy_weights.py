@@ -18,7 +18,7 @@ from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, in_place, wanted
 from raylazy.integrations.report import LazyStats, fields, summary
-from raylazy.integrations.serving import AtOnce, RegionReader, Serving
+from raylazy.integrations.serving import AtOnce, RegionReader, Serving, stand_aside
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support.checkpoints import build_checkpoint, reference_tensors
 
@@ -357,6 +357,41 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
         pytest.skip("this file system keeps the files' pages after posix_fadvise(DONTNEED)")
     with RegionReader(ckpt, LazyOptions()) as reads:
         assert not reads.warm()
+
+
+def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
+    """Two workers of one node (threads): one copies at once out of the page cache (`AtOnce`) and joins the load's
+    gathering when done (`stand_aside`); the other records and plans its read without it, alone on the node.
+    Both end with safetensors' cut of every tensor."""
+    from benchmarks.loaders.pagecache import warm
+
+    ckpt = open_checkpoint(llama_dir)
+    warm([f.path for f in ckpt.files])
+    group, results = _Threads(2), {}
+
+    def worker(rank: int) -> None:
+        consume, params, cuts = tp_consumer(rank, 2)
+        if rank == 0:
+            with RegionReader(ckpt, LazyOptions()) as reads:
+                assert reads.warm()
+                consume(lazy_weights(ckpt, AtOnce(reads)))
+                stand_aside(group.member(rank))
+            results[rank] = params, cuts, reads.stats
+        else:
+            results[rank] = params, cuts, _run(llama_dir, consume, group=group.member(rank), watch=lambda: params)[1]
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(2)]  # none left waiting
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    ref = reference_tensors(llama_dir)
+    assert results.keys() == {0, 1}
+    for params, cuts, _ in results.values():
+        assert params.keys() == ref.keys()
+        for name, t in ref.items():
+            assert torch.equal(params[name], cuts[name](t)), name
+    assert results[1][2].node_processes == 1 and results[1][2].backend == "ranged"
 
 
 @pytest.mark.parametrize("use, replayable", [("scale", False), ("read", False), ("beside", True)])
