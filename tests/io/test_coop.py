@@ -303,25 +303,29 @@ def _evicted_mapping(tmp_path, size: int):
         os.close(fd)
 
 
-def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds(tmp_path):
+def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds(tmp_path, monkeypatch):
     """A consumer copying out of a mapping (the vLLM format) has threads populate it ahead only where the kernel's
     page cache lacks pages: evicted (posix_fadvise DONTNEED), the span is read into it; read already, no thread
     starts (it would take the copies' core for nothing)."""
     from benchmarks.loaders.pagecache import resident_bytes
     from raylazy.io.cooperative import in_page_cache, populating
 
+    started = []  # the threads' names as they start (a populate may be over before a look at the live ones)
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or start(self))
     with _evicted_mapping(tmp_path, 64 << 20) as (m, path):
         half, tail = 4 << 20, 32 << 20  # the tail: past any read-ahead of the first 4 MB
         assert not in_page_cache(m.data_ptr(), 64 << 20)
         with populating([(m, 0, half)], threads=2, chunk_bytes=1 << 20):
-            assert any(t.name == "raylazy-populate" for t in threading.enumerate())
+            assert "raylazy-populate" in started
             deadline = time.monotonic() + 30
             while not in_page_cache(m.data_ptr(), half) and time.monotonic() < deadline:
                 time.sleep(0.01)
         assert in_page_cache(m.data_ptr(), half) and not in_page_cache(m.data_ptr() + tail, tail)
         assert half <= resident_bytes(str(path)) <= tail  # the benchmark's own count of the file's resident pages
+        started.clear()
         with populating([(m, 0, half)], threads=2, chunk_bytes=1 << 20):
-            assert not any(t.name == "raylazy-populate" for t in threading.enumerate())
+            assert "raylazy-populate" not in started
 
 
 def test_the_cached_share_is_a_sample_of_what_the_page_cache_holds(tmp_path):
