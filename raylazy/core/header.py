@@ -471,9 +471,8 @@ def _fills(tensors: list[TensorInfo], data_start: int, file_size: int) -> bool:
 
 def _check_layout(path: str, tensors: list[TensorInfo], data_start: int, file_size: int) -> None:
     """DataLayoutError or FileSizeMismatchError unless `tensors` (in offset order) fill the data section
-    [`data_start`, `file_size`) one after another (`_fills`; tensor by tensor to name the first that does not)."""
-    if _fills(tensors, data_start, file_size):
-        return
+    [`data_start`, `file_size`) one after another, naming the first that does not (`parse_header` asks `_fills`,
+    all at once, first)."""
     expected = data_start
     for t in tensors:
         if t.start != expected:

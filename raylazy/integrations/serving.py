@@ -39,7 +39,7 @@ from ..core.dtypes import itemsize, torch_dtype
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
-from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, solo_backend
+from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, shares_page_cache, solo_backend
 from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
 from ..io.cooperative import box_mappable, cached_share, mapped, mapped_box, populating
 from ..storage import open_planned_files, storage_for
@@ -100,10 +100,8 @@ class RegionReader:
         """Whether the checkpoint is in the page cache: local files whose pages a mapping shares, each at least
         `WARM_SHARE` there (`raylazy.io.cooperative.cached_share`, a sample; the files are mapped to ask, and the
         first one short of it ends the asking)."""
-        if backend_for("cooperative", 1, "cpu", self.files, self.storage) != "cooperative":
-            return False
-        return all(cached_share(m.data_ptr(), m.numel()) >= WARM_SHARE
-                   for m in map(self.mapping, range(len(self.files))))
+        return shares_page_cache(self.files, self.storage) and all(
+            cached_share(m.data_ptr(), m.numel()) >= WARM_SHARE for m in map(self.mapping, range(len(self.files))))
 
     def shard(self, region: Region, name: str):
         """The plan entry reading `region`."""
@@ -437,7 +435,8 @@ class AtOnce:
     def take(self, region: Region) -> torch.Tensor:
         self.taken[region] += 1
         self.opaque[region] += 1
-        return self.reads.mapped_box(region).clone() if box_mappable(region) else self.reads.read_alone(region)
+        box = self._box(region)  # a consumer may write into what it takes: not into the mapping
+        return box.clone() if box_mappable(region) else box
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
         self.taken[weight.region] += 1

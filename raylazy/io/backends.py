@@ -64,8 +64,13 @@ def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...],
     its node reads its own ranges ("ranged": they are already exactly its pages). Files with no page cache to
     share (object storage, a FUSE mount serving direct_io) are read by the node through the exchange (each stripe
     fetched once per node, gloo on CPUs), "cooperative" included."""
-    page_cache = all(local_path(f.uri) is not None for f in files) and (storage is None or storage.page_cache)
-    return node_backend(name, peers, device, page_cache)
+    return node_backend(name, peers, device, shares_page_cache(files, storage))
+
+
+def shares_page_cache(files: tuple[FileRef, ...], storage: StorageKind | None = None) -> bool:
+    """Whether the files are local ones on `storage` whose page cache a mapping of them shares (not object
+    storage, not a FUSE mount serving direct_io)."""
+    return all(local_path(f.uri) is not None for f in files) and (storage is None or storage.page_cache)
 
 
 def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = (),
