@@ -78,24 +78,24 @@ class RankGroup:
         pgs = _placement_groups(name, bundles, strategy, groups)
         # Direct transports (cuda_ipc, gloo, nccl) in LoadedModel.refs() need tensor transport enabled on the class.
         remote_cls = ray.remote(enable_tensor_transport=True)(actor_cls)
-        create = (
-            remote_cls.options(
-                name=f"{name}-rank{r}",
-                num_cpus=bundle.get("CPU", 0),
-                num_gpus=bundle.get("GPU", 0),
-                max_concurrency=4,  # progress() and shards() answer while load() runs
-                max_restarts=max_retries,
-                max_task_retries=max_retries,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pgs[r // size],
-                                                                     placement_group_bundle_index=r % size),
-            ).remote(r, device)
-            for r, bundle in enumerate(bundles)
-        )
+        actors = []
         try:
             with transports_registered_on_use():  # no torch import on the driver between two ranks' creation
-                actors = list(create)
-        except BaseException:  # e.g. a KeyboardInterrupt: removing the groups also kills the actors already created
-            _remove(pgs)
+                for r, bundle in enumerate(bundles):
+                    actors.append(remote_cls.options(
+                        name=f"{name}-rank{r}",
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        max_concurrency=4,  # progress() and shards() answer while load() runs
+                        max_restarts=max_retries,
+                        max_task_retries=max_retries,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pgs[r // size],
+                                                                             placement_group_bundle_index=r % size),
+                    ).remote(r, device))
+        except BaseException:  # e.g. a KeyboardInterrupt
+            with _sigint_deferred():
+                _remove(pgs)
+                _kill_named(name, len(bundles))
             raise
         return cls(name, actors, pgs)
 
@@ -246,6 +246,19 @@ def _placement_groups(name: str, bundles: list[dict], strategy: str, groups: int
         _remove(pgs)
         raise
     return pgs
+
+
+def _kill_named(name: str, size: int) -> None:
+    """Kill group `name`'s rank actors, found by name: an actor whose creation was interrupted is registered but its
+    handle may never have been returned, and one not yet scheduled in its placement group is not ended by the
+    group's removal (a KeyboardInterrupt's traceback can keep its handle, and so the actor, alive)."""
+    import ray
+
+    for r in range(size):
+        try:
+            ray.kill(ray.get_actor(f"{name}-rank{r}"), no_restart=True)
+        except Exception:  # noqa: BLE001  (never registered, or already dead)
+            pass
 
 
 def _remove(pgs: list) -> None:

@@ -19,7 +19,6 @@ from tests.support.raytest import (
     assert_no_leaks,
     live,
     load_with,
-    raylazy_actors,
     raylazy_groups,
 )
 
@@ -55,13 +54,14 @@ def test_keyboard_interrupt_while_waiting_for_placement_releases_everything(llam
     """The group can never be placed (100 CPUs a rank). "creating": interrupt as soon as the group
     exists, which lands while the actors are being created; "placing": once both actors exist, in
     the wait for placement."""
+    before, stop, fired = live(), threading.Event(), {}
+
     def ready():
         pending = "PENDING" in raylazy_groups().values()
         if phase == "creating" or not pending:
             return pending
-        return sum(1 for state in raylazy_actors().values() if state != "DEAD") == 2
+        return len(live()[0] - before[0]) == 2
 
-    before, stop, fired = live(), threading.Event(), {}
     t = _interrupt_when(ready, stop, fired)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -93,3 +93,25 @@ def test_keyboard_interrupt_inside_placement_group_creation_removes_the_group(ll
     assert_no_leaks(before, "KeyboardInterrupt inside placement_group()")
 
 
+@pytest.mark.ray
+def test_keyboard_interrupt_inside_an_actors_creation_kills_it(llama_dir, ray_local, monkeypatch):
+    """The second rank's actor is registered, then the interrupt lands before its handle is returned; the
+    traceback keeps that handle (and so the actor, pending in a group that can never be placed) alive: removing
+    the group does not end it, it must be killed."""
+    import ray.actor
+
+    real, made = ray.actor.ActorClass._remote, []
+
+    def interrupted(self, *args, **kwargs):
+        handle = real(self, *args, **kwargs)
+        made.append(handle)
+        if len(made) == 2:
+            raise KeyboardInterrupt
+        return handle
+
+    monkeypatch.setattr(ray.actor.ActorClass, "_remote", interrupted)
+    before = live()
+    with pytest.raises(KeyboardInterrupt):
+        raylazy.load(llama_dir, 2, device="cpu", progress=False, cpus_per_rank=100, autoscale=True)
+    assert len(made) == 2
+    assert_no_leaks(before, "KeyboardInterrupt inside an actor's creation")
