@@ -8,7 +8,6 @@ cache, so the tests that tell two nodes apart run each node alone, from a cold c
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import threading
@@ -27,6 +26,7 @@ from raylazy.errors import FileChangedError, RankFailedError, ReadError
 from raylazy.io.backends import node_read
 from raylazy.io.cooperative import read_rank_cooperative, shm_dir
 from raylazy.planning import make_plan
+from tests.support import RANK_PROCESSES
 from tests.support.measured import (
     PAGE,
     SyscallLog,
@@ -41,13 +41,15 @@ from tests.support.measured import (
 from tests.support.planlib import as_bytes
 from tests.support.raytest import check_loaded, check_ranks
 
-_FORK = multiprocessing.get_context("fork")  # the ranks of a node: plain processes, no Ray
 
-
-def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
+def _rank(rp, task, options, queue, die: bool, use_out: bool, populate: bool) -> None:
     if die:  # a reader whose process dies before reading anything
         os._exit(3)
     try:
+        if not populate:  # as before Linux 5.14
+            import raylazy.io.cooperative as coop
+
+            coop._POPULATE = 0
         out = {}
         if use_out:
             from raylazy.io.buffers import shard_layout
@@ -68,12 +70,13 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool) -> None:
 READERS = ReaderOptions(stripe_readers=4, stripe_timeout_s=60)
 
 
-def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120, ranks=None) -> dict:
+def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120, ranks=None, populate=True) -> dict:
     """Run every rank of every scheduled node of `plan` (or only `ranks`) as its own process, all at once;
-    rank -> (shards, stats, same, seen: what its process was measured reading) or error."""
-    queue, load_id = _FORK.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
-    procs = [_FORK.Process(target=_rank, args=(rp, node_read("cooperative", plan, plan.node_of(rp.rank), load_id), options, queue,
-                                                 rp.rank in die, use_out))
+    rank -> (shards, stats, same, seen: what its process was measured reading) or error. `populate=False`: the
+    readers cannot MADV_POPULATE_READ."""
+    queue, load_id = RANK_PROCESSES.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
+    procs = [RANK_PROCESSES.Process(target=_rank, args=(rp, node_read("cooperative", plan, plan.node_of(rp.rank), load_id),
+                                                        options, queue, rp.rank in die, use_out, populate))
              for rp in plan.ranks if ranks is None or rp.rank in ranks]
     for p in procs:
         p.start()
@@ -96,18 +99,18 @@ def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120,
     return results
 
 
-def run_each_node_cold(plan, options) -> dict:
+def run_each_node_cold(plan, options, populate=True) -> dict:
     """`run_nodes` for one node of `plan` at a time, each from a cold page cache, checking what each node read
     (`check_node_reads`). A warm run goes first: a rank's process faults in the pages of the code it runs (torch's
     and numpy's libraries, raylazy's modules) where no process has yet, and read_bytes would count them."""
     results = {}
     files = [f.uri for f in plan.files]
-    _ok(run_nodes(plan, options, ranks=plan.nodes[0].ranks))
+    _ok(run_nodes(plan, options, ranks=plan.nodes[0].ranks, populate=populate))
     for node in plan.nodes:
         warm = cold(files)
         if warm:
             warnings.warn(f"{warm}: the nodes' reads from storage are not measured", stacklevel=2)
-        results.update(_ok(run_nodes(plan, options, ranks=node.ranks)))
+        results.update(_ok(run_nodes(plan, options, ranks=node.ranks, populate=populate)))
         check_node_reads(plan, node, results, options.stripe_readers, warm is None)
     return results
 
@@ -161,14 +164,11 @@ def test_one_and_two_nodes_bit_for_bit_and_each_node_reads_its_union_once(model_
                 assert all(results[r][3]["populated"] for r in node.ranks if node.read_by(r)), "populated, not read"
 
 
-def test_readers_without_populate_read_into_scratch(llama_dir, monkeypatch):
+def test_readers_without_populate_read_into_scratch(llama_dir):
     """Before Linux 5.14 (no MADV_POPULATE_READ) readers read each stripe into a scratch buffer with positional reads:
     the same shards, the union read once (`check_node_reads`), and the scratch is the staging reported."""
-    import raylazy.io.cooperative as coop
-
-    monkeypatch.setattr(coop, "_POPULATE", 0)  # the forked ranks inherit it
     plan = with_node_schedules(make_plan(llama_dir, 4), ["n"] * 4, stripe_bytes=8192)
-    results = run_each_node_cold(plan, READERS)
+    results = run_each_node_cold(plan, READERS, populate=False)
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
     assert not any(results[r][3]["populated"] for r in range(4))
     readers = [results[r][1] for r in range(4) if results[r][3]["preadv"]]

@@ -9,7 +9,6 @@ budget; a rank that fails, dies or never comes makes the others fail with PeerFa
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import time
@@ -27,14 +26,9 @@ from raylazy.io import exchange
 from raylazy.io.backends import node_read
 from raylazy.io.collective import meet_through
 from raylazy.io.exchange import NodeRounds, read_rank_exchanged
-from tests.support import REPO
+from tests.support import RANK_PROCESSES, REPO
 from tests.support.measured import SyscallLog, assert_header_checks_only, header_bytes, needed_pages, pages
 from tests.support.raytest import check_rank
-
-#: Children are forked from a server that has imported torch and raylazy once (fast, and no OpenMP
-#: state of the test process is inherited).
-CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "raylazy.io.exchange"])
 
 #: Seconds a whole node run may take before the test calls it hung.
 DEADLINE_S = 240
@@ -84,7 +78,7 @@ def run_node(tmp_path, cases: list, devices: list[str], fault: dict[int, str] | 
     for local, device in enumerate(devices):
         path = tmp_path / f"rank{local}-{time.monotonic_ns()}.pkl"
         rank = cases[0][1].ranks[local]
-        procs.append(CTX.Process(target=_worker, args=(local, rank, device, cases, str(path), fault.get(local)), daemon=True))
+        procs.append(RANK_PROCESSES.Process(target=_worker, args=(local, rank, device, cases, str(path), fault.get(local)), daemon=True))
         paths.append(path)
     for p in procs:
         p.start()
