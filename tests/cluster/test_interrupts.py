@@ -4,6 +4,7 @@ releases every actor and placement group it made."""
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 
@@ -23,28 +24,45 @@ from tests.support.raytest import (
 )
 
 
-def _interrupt_when(predicate, stop: threading.Event, fired: dict) -> threading.Thread:
-    """Once predicate() holds, raise KeyboardInterrupt in the main thread; fired["at"] says when."""
+def _interrupted(load, predicate) -> float:
+    """Run load() while a thread raises KeyboardInterrupt in the main thread once predicate() holds; the seconds
+    from the interrupt to load() giving up. A load that ends without one is released (no later test inherits its
+    ranks) and fails the test, saying whether the interrupt fired, how SIGINT was handled then (Python ignores
+    interrupt_main where it does not handle SIGINT) and what the predicate last raised."""
+    stop, seen = threading.Event(), {}
+
+    def polled():
+        try:
+            return predicate()
+        except Exception as e:  # noqa: BLE001  (reported below if the load is not interrupted)
+            seen["predicate raised"] = repr(e)
+            return False
 
     def interrupt(_) -> None:
-        fired["at"] = time.monotonic()
+        seen["SIGINT handler"], seen["at"] = signal.getsignal(signal.SIGINT), time.monotonic()
         _thread.interrupt_main()
 
-    return when(predicate, interrupt, stop)
+    t = when(polled, interrupt, stop)
+    try:
+        loaded = load()
+    except KeyboardInterrupt:
+        return time.monotonic() - seen["at"]
+    except Exception as e:  # noqa: BLE001  (what the interrupt should have pre-empted)
+        pytest.fail(f"the load failed without a KeyboardInterrupt ({seen or 'the interrupt never fired'}): {e!r}")
+    finally:
+        stop.set()
+        t.join()
+    loaded.release()
+    pytest.fail(f"the load ended without a KeyboardInterrupt ({seen or 'the interrupt never fired'})")
 
 
 @pytest.mark.ray
 def test_keyboard_interrupt_while_ranks_read_releases_everything(llama_dir, ray_local, tmp_path):
-    before, stop, fired = live(), threading.Event(), {}
-    t = _interrupt_when(lambda: read_marker(str(tmp_path), 0), stop, fired)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            load_with(blocking_loader(str(tmp_path), {0}), llama_dir, 2, device="cpu", progress=False, backend="ranged")
-    finally:
-        stop.set()
-        t.join()
-    assert fired, "the interrupt never fired"
-    assert time.monotonic() - fired["at"] < 30
+    before = live()
+    after = _interrupted(lambda: load_with(blocking_loader(str(tmp_path), {0}), llama_dir, 2, device="cpu",
+                                           progress=False, backend="ranged"),
+                         lambda: read_marker(str(tmp_path), 0))
+    assert after < 30
     assert_no_leaks(before, "KeyboardInterrupt during reading")
 
 
@@ -54,7 +72,7 @@ def test_keyboard_interrupt_while_waiting_for_placement_releases_everything(llam
     """The group can never be placed (100 CPUs a rank). "creating": interrupt as soon as the group
     exists, which lands while the actors are being created; "placing": once both actors exist, in
     the wait for placement."""
-    before, stop, fired = live(), threading.Event(), {}
+    before = live()
 
     def ready():
         pending = "PENDING" in raylazy_groups().values()
@@ -62,15 +80,9 @@ def test_keyboard_interrupt_while_waiting_for_placement_releases_everything(llam
             return pending
         return len(live()[0] - before[0]) == 2
 
-    t = _interrupt_when(ready, stop, fired)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            raylazy.load(llama_dir, 2, device="cpu", progress=False, cpus_per_rank=100, autoscale=True,
-                         placement_timeout_s=300)
-    finally:
-        stop.set()
-        t.join()
-    assert fired and time.monotonic() - fired["at"] < 30
+    after = _interrupted(lambda: raylazy.load(llama_dir, 2, device="cpu", progress=False, cpus_per_rank=100,
+                                              autoscale=True, placement_timeout_s=90), ready)
+    assert after < 30
     assert_no_leaks(before, "KeyboardInterrupt while waiting for placement")
 
 
