@@ -8,8 +8,8 @@ Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, 
 Each repetition, for each tp and cache state, runs in turn (A B C A B C ...): `raylazy` and `auto` (a fresh
 process starts an engine with that format on the checkpoint, the parent's copy "step 0", then makes the cache
 state of "step 1", a copy of it in another directory, and reloads from it) and `fresh` (benchmarks/vllm_load.py's
-engine start, on vLLM's default loader, to the first token). Cold: step 1's pages evicted; warm: its files read
-once. Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it,
+engine start, on vLLM's default loader, to the first token; `--what raylazy auto` leaves it out). Cold: step
+1's pages evicted; warm: its files read once. Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it,
 the bytes it made the storage read (read_bytes; the most one worker read, and the workers' sum: the node's) and
 those its read calls returned (rchar: not the pages a memory map or the cooperative reader's shared copies
 take); and what /proc/diskstats saw the checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's 0.53 GB Llama.
@@ -58,6 +58,10 @@ def one(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
             **{f"{w}_{k}": f(v) for k, v in got.items() for w, f in (("worker", max), ("node", sum))}}
 
 
+#: What each repetition times: the reload with each format, and a fresh engine (the default loader) on the new step.
+WHAT = ("raylazy", "auto", "fresh")
+
+
 def reload_run(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -92,6 +96,7 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     ap = run_options(__doc__, runs=3)
     ap.add_argument("--work", default="/tmp/raylazy-vllm-reload", help="where the two steps' copies go")
+    ap.add_argument("--what", nargs="+", choices=WHAT, default=list(WHAT), help="what is timed, in turn")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--step", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
     for rep in range(args.runs):
         for tp in args.tp:
             for cache in args.cache:
-                for what in ("raylazy", "auto", "fresh"):
+                for what in args.what:
                     if what == "fresh":
                         r = measure(steps[1], "auto", tp, cache, SHAPES["default"].dtype, device)
                         r = {"seconds": r.get("ready_s"), "worker_read_bytes": r.get("worker_max"),

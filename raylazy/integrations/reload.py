@@ -7,7 +7,8 @@ tensor reads nothing (it is only counted), a copy into a real one takes its regi
 this worker's regions of the new checkpoint in batches, with the node's other workers. Which regions: those the
 first load recorded (`Kept`, on the model: vLLM makes a new loader for each reload), re-resolved by tensor name
 against the new headers; a checkpoint whose tensors or shapes differ is recorded afresh: each region read alone
-as it is taken, and kept for the next reload. Headers, file sizes and the regions are checked before vLLM writes
+as it is taken, and kept for the next reload. A checkpoint in the page cache is served by an `AtOnce` instead:
+each copy straight out of its file's mapping, as a load copies it. Headers, file sizes and the regions are checked before vLLM writes
 anything (a failure then leaves the engine as it was); a read failing after that puts every unfinished layer's
 old tensors back and raises `ReloadError`: the engine then holds a mix of old and new weights until reloaded.
 """
@@ -24,9 +25,8 @@ from ..core.checkpoint import Checkpoint
 from ..errors import ReloadError, first_line
 from ..io.stats import Meter
 from .lazy import lazy_weights
-from .recording import Copy
 from .report import summary
-from .serving import NodeGroup, RegionReader, Serving
+from .serving import AtOnce, NodeGroup, RegionReader, Serving
 
 #: The model attribute that keeps what a reload needs of the first load.
 KEPT = "raylazy_kept"
@@ -72,16 +72,21 @@ class _Run:
     """What a reload's lazy weights take their bytes from: copies into meta tensors (vLLM's count) read nothing;
     every take is counted (the next reload's recording); a failed take undoes the reload's unfinished layers."""
 
-    def __init__(self, serving: Serving, fail):
+    def __init__(self, serving: Serving | AtOnce, fail):
         self.serving, self.fail, self.taken = serving, fail, Counter()
 
     def take(self, region: Region) -> torch.Tensor:
-        return self._get(region, self.serving.take)
+        return self._counted(region, self.serving.take, region)
 
-    def _get(self, region: Region, how) -> torch.Tensor:
+    def copy_into(self, dst: torch.Tensor, weight) -> torch.Tensor:
+        if dst.is_meta:
+            return dst.copy_(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
+        return self._counted(weight.region, self.serving.copy_into, dst, weight)
+
+    def _counted(self, region: Region, how, *args) -> torch.Tensor:
         self.taken[key(region)] += 1
         try:
-            return how(region)
+            return how(*args)
         except BaseException as e:  # noqa: BLE001  (re-raised by `fail` as a ReloadError)
             self.fail(e)
 
@@ -92,11 +97,6 @@ class _Run:
             self.serving.drain()
         except BaseException as e:  # noqa: BLE001  (likewise)
             self.fail(e)
-
-    def copy_into(self, dst: torch.Tensor, weight) -> torch.Tensor:
-        if dst.is_meta:
-            return dst.copy_(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
-        return Copy(dst, weight.region, weight.lens).do(self._get(weight.region, self.serving.box))
 
 
 def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint, group: NodeGroup | None, logger):
@@ -110,6 +110,7 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
         reads = RegionReader(ckpt, options)
         reads.sources(range(len(ckpt.files)))  # every file opened and its size checked against its header, once
         takes, afresh = kept.regions(ckpt)
+        at_once = reads.copies_at_once()
     except Exception as e:  # noqa: BLE001  (raised below, on every worker)
         error = e
     why = error and f"{type(error).__name__}: {first_line(error)}"
@@ -120,7 +121,7 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
         model_config.model, model_config.model_weights, model_config.revision = kept.source
         raise ReloadError(f"reloading from {new} failed before any weight was written (worker {failed[0][0]}: "
                           f"{failed[0][1]}); the engine keeps the weights of {_path(model_config)}") from error
-    serving = Serving(reads, takes, {}, group, kept.device)
+    serving = AtOnce(reads, group) if at_once else Serving(reads, takes, {}, group, kept.device)
     return _serve(model, model_config, kept, reads, serving, ckpt, (takes, afresh), meter, group, logger)
 
 
@@ -135,7 +136,8 @@ def _serve(model, model_config, kept: Kept, reads, serving, ckpt, planned, meter
         yield from lazy_weights(ckpt, run)
         run.drain()
     seconds, rchar = meter.elapsed()
-    mode, why = ("reload-recorded", f"recorded afresh: {afresh}") if afresh else ("reload-reused", "")
+    mode, why = (("reload-at-once", "the checkpoint in the page cache") if isinstance(serving, AtOnce) else
+                 ("reload-recorded", f"recorded afresh: {afresh}") if afresh else ("reload-reused", ""))
     logger.info(summary(group.rank if group else 0, reads.stats, ckpt.nbytes, kept.param_bytes, mode, why, rchar,
                         seconds))
     kept.takes = dict(run.taken | Counter({key(r): n for r, n in takes.items()}))

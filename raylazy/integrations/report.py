@@ -51,6 +51,11 @@ class LazyStats:
         self.read_seconds += stats.seconds
         self.in_flight, self.request_bytes = max(self.in_flight, stats.in_flight), max(self.request_bytes, stats.request_bytes)
 
+    def count_opaque(self, opaque: dict) -> None:
+        """The regions ops raylazy cannot follow took (region -> takes)."""
+        self.opaque_regions, self.opaque_bytes = len(opaque), sum(r.nbytes for r in opaque)
+        self.whole_opaque = sum(r.sizes == r.tensor.shape for r in opaque)
+
 
 def summary(rank: int, s: LazyStats, checkpoint_bytes: int, params: int, mode: str, why: str, rchar: int | None,
             seconds: float) -> str:

@@ -14,8 +14,8 @@ processes on one local file system, on the CPU) nothing is read ahead: each regi
 (`raylazy.io.cooperative.mapped_box`), and a copy out of it into its destination, converting as it copies, is the
 only pass over its bytes, its page faults reading them once for the node (the page cache), as vLLM's own loader
 copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches. Where the
-checkpoint is in the page cache already, nothing is recorded: `AtOnce` serves the consumer's one run, each copy
-straight out of the mapping as it is asked.
+checkpoint is in the page cache already, nothing is recorded: `AtOnce` serves the consumer's one run (a load's
+`load_weights`, a reload's weight loaders), each copy straight out of the mapping as it is asked.
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ class RegionReader:
     def mapped_box(self, region: Region) -> torch.Tensor:
         """The region's box as a view of its file's mapping (only for a region `box_mappable` says a view shows)."""
         return mapped_box(self.mapping(region.file), region)
+
+    def copies_at_once(self) -> bool:
+        """Whether a load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
+        a backend that copies out of the files' mappings) and the checkpoint is in the page cache (`warm`)."""
+        return self.options.warm_copies and self.options.reader.backend in ("auto", "cooperative") and self.warm()
 
     def warm(self) -> bool:
         """Whether the checkpoint is in the page cache: local files whose pages a mapping shares, each at least
@@ -422,12 +427,25 @@ class AtOnce:
     """Lazy weights served as the consumer asks, in its one run: a copy goes out of the region's file mapping
     straight into its destination (converting as it copies), an op raylazy cannot follow gets a copy of the
     region (read alone where a view cannot show it: sub-byte dtypes). For a checkpoint in the page cache
-    (`RegionReader.warm`), where nothing is left to read ahead or to share with the node: one pass over the
-    bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
-    region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`)."""
+    (`RegionReader.copies_at_once`), where nothing is left to read ahead or to share with the node: one pass over
+    the bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
+    region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`).
 
-    def __init__(self, reads: RegionReader):
-        self.reads, self.taken, self.opaque, self.in_place = reads, Counter(), Counter(), 0
+    A context manager: leaving it puts those counts in the reader's stats and takes this process's part in its
+    load's one gathering (`stand_aside`), only once every copy is made."""
+
+    def __init__(self, reads: RegionReader, group: NodeGroup | None = None):
+        self.reads, self.group, self.taken, self.opaque, self.in_place = reads, group, Counter(), Counter(), 0
+
+    def __enter__(self) -> AtOnce:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        s = self.reads.stats
+        s.backend, s.regions, s.bytes_needed, s.in_place_bytes = ("cooperative", len(self.taken),
+                                                                  sum(r.nbytes for r in self.taken), self.in_place)
+        s.count_opaque(self.opaque)
+        stand_aside(self.group)
 
     def _box(self, region: Region) -> torch.Tensor:
         return self.reads.mapped_box(region) if box_mappable(region) else self.reads.read_alone(region)
@@ -442,6 +460,9 @@ class AtOnce:
         self.taken[weight.region] += 1
         self.in_place += weight.region.nbytes if box_mappable(weight.region) else 0
         return Copy(dst, weight.region, weight.lens).do(self._box(weight.region))
+
+    def drain(self) -> None:
+        """Nothing is read ahead: every region was copied as it was asked."""
 
 
 def stand_aside(group: NodeGroup | None) -> None:

@@ -24,7 +24,6 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
 from ..io.stats import Meter
 from ..storage import open_checkpoint
@@ -32,8 +31,8 @@ from .lazy import lazy_weights
 from .options import LazyOptions, lazy_options
 from .recording import Recording, in_place, overlapping, wanted
 from .reload import keep, weights_for_reload
-from .report import LazyStats, summary
-from .serving import AtOnce, NodeGroup, RegionReader, Serving, stand_aside
+from .report import summary
+from .serving import AtOnce, NodeGroup, RegionReader, Serving
 
 logger = init_logger("vllm.raylazy")
 
@@ -92,7 +91,7 @@ class RaylazyModelLoader(BaseModelLoader):
         ckpt = _checkpoint(model_config, self.options)
         device, group = next(model.parameters()).device, _workers()
         with RegionReader(ckpt, self.options) as reads:
-            if _copies_at_once(reads, self.options):
+            if reads.copies_at_once():
                 loaded, mode, why, takes = _at_once(model, ckpt, reads, group)
             else:
                 loaded, mode, why, takes = _recorded(model, ckpt, reads, self.options, device, group)
@@ -112,25 +111,12 @@ class RaylazyModelLoader(BaseModelLoader):
         return weights_for_reload(model, model_config, self.options, _checkpoint, _workers(), logger)
 
 
-def _copies_at_once(reads: RegionReader, options: LazyOptions) -> bool:
-    """Whether the load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
-    a backend that copies out of the files' mappings) and the checkpoint is in the page cache."""
-    return options.warm_copies and options.reader.backend in ("auto", "cooperative") and reads.warm()
-
-
 def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, group: NodeGroup | None):
     """The model's `load_weights` once, over lazy weights copied out of the page cache as it asks, then this
-    worker's part in the load's gathering (`stand_aside`: workers of the engine that found the checkpoint elsewhere
+    worker's part in the load's gathering (`AtOnce`: workers of the engine that found the checkpoint elsewhere
     record, and read together without it): (what it loaded, mode, why, each region's takes)."""
-    run = AtOnce(reads)
-    try:
+    with AtOnce(reads, group) as run:
         loaded = model.load_weights(lazy_weights(ckpt, run))
-    finally:
-        stand_aside(group)
-    s = reads.stats
-    s.backend, s.regions, s.bytes_needed, s.in_place_bytes = ("cooperative", len(run.taken),
-                                                              sum(r.nbytes for r in run.taken), run.in_place)
-    _count_opaque(s, run.opaque)
     return loaded, "at-once", "the checkpoint in the page cache", dict(run.taken)
 
 
@@ -152,15 +138,10 @@ def _recorded(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, opt
             serving.replay(recording.copies)
         else:
             loaded = model.load_weights(lazy_weights(ckpt, serving))
-    _count_opaque(reads.stats, recording.opaque)
+    reads.stats.count_opaque(recording.opaque)
     # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
     return (loaded, "replay" if replay else "rerun", recording.why_not_replayable,
             wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}))
-
-
-def _count_opaque(s: LazyStats, opaque: dict[Region, int]) -> None:
-    s.opaque_regions, s.opaque_bytes = len(opaque), sum(r.nbytes for r in opaque)
-    s.whole_opaque = sum(r.sizes == r.tensor.shape for r in opaque)
 
 
 def _checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:

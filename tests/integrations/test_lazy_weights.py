@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,7 @@ from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, in_place, wanted
 from raylazy.integrations.report import LazyStats, fields, summary
-from raylazy.integrations.serving import AtOnce, RegionReader, Serving, stand_aside
+from raylazy.integrations.serving import AtOnce, RegionReader, Serving
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support.checkpoints import build_checkpoint, reference_tensors
 
@@ -317,10 +318,11 @@ def test_ops_it_cannot_follow_are_read_at_once_and_counted(llama_dir):
 
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype):
-    """Every file in the page cache: the consumer's one run copies each region straight out of the files' mappings
-    as it asks (`AtOnce`), converting as it copies, and leaves what safetensors' tensors cut would; an op it cannot
-    follow gets a copy of its own, which it may write into; each region's takes are counted. Evicted
-    (posix_fadvise DONTNEED), the checkpoint is no longer in the page cache."""
+    """Every file in the page cache (and the options not saying `warm_copies=false` or a `ranged` backend): the
+    consumer's one run copies each region straight out of the files' mappings as it asks (`AtOnce`), converting
+    as it copies, and leaves what safetensors' tensors cut would; an op it cannot follow gets a copy of its own,
+    which it may write into; each region's takes are counted, and in the reader's stats. Evicted (posix_fadvise
+    DONTNEED), the checkpoint is no longer in the page cache."""
     from benchmarks.loaders.pagecache import evict, warm
 
     ckpt = open_checkpoint(llama_copy)
@@ -336,12 +338,16 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
             if name.endswith("input_layernorm.weight"):
                 norms[name] = w.narrow(0, 0, 8).mul_(0)  # in place, on a copy of its own: the mapping keeps its bytes
 
+    for asked in ({"warm_copies": False}, {"backend": "ranged"}):  # always recorded
+        with RegionReader(ckpt, lazy_options(asked)) as reads:
+            assert reads.warm() and not reads.copies_at_once()
     with RegionReader(ckpt, LazyOptions()) as reads:
-        assert reads.warm()
-        run = AtOnce(reads)
-        consume_and_scale(lazy_weights(ckpt, run))
-        again = AtOnce(reads)
-        consume(lazy_weights(ckpt, again))  # the same bytes, after the writes into the op's copies
+        assert reads.copies_at_once()
+        with AtOnce(reads) as run:
+            consume_and_scale(lazy_weights(ckpt, run))
+        stats = replace(reads.stats)
+        with AtOnce(reads) as again:
+            consume(lazy_weights(ckpt, again))  # the same bytes, after the writes into the op's copies
     ref = reference_tensors(llama_copy)
     for name, t in ref.items():
         assert torch.equal(params[name], cuts[name](t).to(params[name].dtype)), name
@@ -350,13 +356,15 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
     assert {r.tensor.name: r.sizes for r in run.opaque} == {n: (8,) for n in norms}
     assert run.in_place == sum(p.numel() * ref[name].element_size() for name, p in params.items())
     assert not again.opaque and again.taken == run.taken - run.opaque
+    assert (stats.regions, stats.bytes_needed, stats.in_place_bytes, stats.opaque_regions) == (
+        len(run.taken), sum(r.nbytes for r in run.taken), run.in_place, len(norms))
     for f in files:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if evict(files):
         pytest.skip("this file system keeps the files' pages after posix_fadvise(DONTNEED)")
     with RegionReader(ckpt, LazyOptions()) as reads:
-        assert not reads.warm()
+        assert not reads.warm() and not reads.copies_at_once()
 
 
 def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
@@ -372,10 +380,9 @@ def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
     def worker(rank: int) -> None:
         consume, params, cuts = tp_consumer(rank, 2)
         if rank == 0:
-            with RegionReader(ckpt, LazyOptions()) as reads:
-                assert reads.warm()
-                consume(lazy_weights(ckpt, AtOnce(reads)))
-                stand_aside(group.member(rank))
+            with RegionReader(ckpt, LazyOptions()) as reads, AtOnce(reads, group.member(rank)) as run:
+                assert reads.copies_at_once()
+                consume(lazy_weights(ckpt, run))
             results[rank] = params, cuts, reads.stats
         else:
             results[rank] = params, cuts, _run(llama_dir, consume, group=group.member(rank), watch=lambda: params)[1]

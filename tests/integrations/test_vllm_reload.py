@@ -52,7 +52,8 @@ def _runs(m: dict[str, str]) -> list[dict]:
              {"path": m["llama2"], "fault": 3}, {"path": m["llama2"], "weights": True}, {"path": m["llama1"]}]
     tp2 = [{"path": m["llama1"], "weights": True},
            {"path": m["llama2"], "weights": True, "extra": {"backend": "exchange"}}]
-    moe = [{"path": m["moe1"], "weights": True}, {"path": m["moe2"], "weights": True}]
+    moe = [{"path": m["moe1"], "weights": True, "extra": {"warm_copies": False}}, {"path": m["moe2"], "weights": True},
+           {"path": m["moe1"], "weights": True, "extra": {}}]
     raylazy = {"format": "raylazy", "extra": {"backend": "ranged"}}
     return [{"model": m["llama0"], "tp": 1, **raylazy, "extra": SMALL_BATCHES, "steps": llama},
             {"model": m["llama1"], "tp": 1, "format": "auto"},
@@ -117,21 +118,25 @@ def test_reload_at_tp2_reads_each_workers_regions_and_the_nodes_union_once(runs,
     assert exchange["logprobs"] == runs[3]["logprobs"]
 
 
-def test_a_changed_layout_is_recorded_afresh_then_reused(runs):
+def test_a_changed_layout_is_recorded_afresh_then_reused_and_a_warm_one_copied_at_once(runs):
     """Qwen3-MoE at tp=2 (the default backend: copied out of the files' mappings), its experts fused on disk,
-    reloaded from a checkpoint with one tensor per expert: that reload records afresh (each region read as
-    taken), the next one reuses it; the weights are the default loader's each time and the logprobs change each
-    step."""
+    reloaded from a checkpoint with one tensor per expert, recording (`warm_copies=false`): that reload records
+    afresh (each region read as taken), the next one reuses it; then, the option back to its default, the first
+    of the two, in the page cache, is copied at once out of its files' mappings. The weights are the default
+    loader's each time and the logprobs change each step, back to the first step's on the third."""
     run = runs[4]
-    afresh, reused = run["steps"]
-    for step in (afresh, reused):
+    afresh, reused, at_once = run["steps"]
+    for step in (afresh, reused, at_once):
         assert step["error"] is None
         _same_weights(step)
     assert [line["mode"] for line in afresh["lines"]] == ["reload-recorded"] * 2
     assert [line["mode"] for line in reused["lines"]] == ["reload-reused"] * 2
-    assert [line["backend"] for line in afresh["lines"] + reused["lines"]] == ["cooperative"] * 4  # the mappings
+    assert [line["mode"] for line in at_once["lines"]] == ["reload-at-once"] * 2
+    assert [line["backend"] for line in afresh["lines"] + reused["lines"] + at_once["lines"]] == ["cooperative"] * 6
     assert all(line["unplanned_regions"] == 0 for line in reused["lines"])
+    assert all(line["opaque_regions"] == 0 and line["in_place_bytes"] > 0 for line in at_once["lines"])
     assert run["logprobs"] != afresh["logprobs"] != reused["logprobs"]
+    assert at_once["logprobs"] == afresh["logprobs"]
 
 
 def test_a_bad_checkpoint_is_refused_before_any_weight_is_written(runs):
