@@ -7,10 +7,11 @@ tensor reads nothing (it is only counted), a copy into a real one takes its regi
 this worker's regions of the new checkpoint in batches, with the node's other workers. Which regions: those the
 first load recorded (`Kept`, on the model: vLLM makes a new loader for each reload), re-resolved by tensor name
 against the new headers; a checkpoint whose tensors or shapes differ is recorded afresh: each region read alone
-as it is taken, and kept for the next reload. A checkpoint in the page cache is served by an `AtOnce` instead:
-each copy straight out of its file's mapping, as a load copies it. Headers, file sizes and the regions are checked before vLLM writes
-anything (a failure then leaves the engine as it was); a read failing after that puts every unfinished layer's
-old tensors back and raises `ReloadError`: the engine then holds a mix of old and new weights until reloaded.
+as it is taken, and kept for the next reload. A checkpoint every worker finds in the page cache is served by an
+`AtOnce` instead: each copy straight out of its file's mapping, as a load copies it. Headers, file sizes and the
+regions are checked before vLLM writes anything (a failure then leaves the engine as it was); a read failing after
+that puts every unfinished layer's old tensors back and raises `ReloadError`: the engine then holds a mix of old
+and new weights until reloaded.
 """
 
 from __future__ import annotations
@@ -101,10 +102,13 @@ class _Run:
 
 def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint, group: NodeGroup | None, logger):
     """The weights vLLM's reload asks of the load format (`get_all_weights`): every check runs now, before vLLM
-    touches the model, and every worker learns whether another's failed; the bytes are read as the iterator is
-    used. `checkpoint(model_config, options)` opens the checkpoint's headers."""
+    touches the model, and every worker learns whether another's failed and whether all found the checkpoint in
+    the page cache: then each copies at once (`AtOnce`), else all read through a `Serving` (one way for the
+    engine: no worker waits in the node's gathering for another still copying while vLLM processes its layers);
+    the bytes are read as the iterator is used. `checkpoint(model_config, options)` opens the checkpoint's
+    headers."""
     kept: Kept = getattr(model, KEPT)
-    meter, reads, error, new = Meter(), None, None, _path(model_config)
+    meter, reads, error, new, at_once = Meter(), None, None, _path(model_config), False
     try:
         ckpt = checkpoint(model_config, options)
         reads = RegionReader(ckpt, options)
@@ -114,14 +118,15 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
     except Exception as e:  # noqa: BLE001  (raised below, on every worker)
         error = e
     why = error and f"{type(error).__name__}: {first_line(error)}"
-    failed = [(r, m) for r, m in enumerate(group.all_gather(why) if group else [why]) if m]
+    told = group.all_gather((why, at_once)) if group else [(why, at_once)]
+    failed = [(r, m) for r, (m, _) in enumerate(told) if m]
     if failed:
         if reads is not None:
             reads.__exit__(None, None, None)
         model_config.model, model_config.model_weights, model_config.revision = kept.source
         raise ReloadError(f"reloading from {new} failed before any weight was written (worker {failed[0][0]}: "
                           f"{failed[0][1]}); the engine keeps the weights of {_path(model_config)}") from error
-    serving = AtOnce(reads, group) if at_once else Serving(reads, takes, {}, group, kept.device)
+    serving = AtOnce(reads) if all(a for _, a in told) else Serving(reads, takes, {}, group, kept.device)
     return _serve(model, model_config, kept, reads, serving, ckpt, (takes, afresh), meter, group, logger)
 
 
