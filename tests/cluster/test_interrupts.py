@@ -24,6 +24,15 @@ from tests.support.raytest import (
 )
 
 
+@pytest.fixture(autouse=True)
+def sigint_raises():
+    """SIGINT raising KeyboardInterrupt in this process, as in an interactive Python: a test run a shell started in
+    the background (`cmd &`) inherits SIGINT ignored, Python then leaves it so, and interrupt_main does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupted(load, predicate) -> float:
     """Run load() while a thread raises KeyboardInterrupt in the main thread once predicate() holds; the seconds
     from the interrupt to load() giving up. A load that ends without one is released (no later test inherits its

@@ -315,9 +315,11 @@ def test_load_into_the_callers_actors_and_reload_them(llama_dir, llama_b, ray_lo
 # --- a second Ctrl-C during cleanup ---------------------------------------------------------------------
 
 CHILD = r"""
-import json, os, sys, threading, time
+import json, os, signal, sys, threading, time
 import ray, raylazy
 from raylazy.cluster.actor import RankLoader
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as interactive: a test run in the background ignores it
 
 address, model_dir, marker = sys.argv[1:4]
 ray.init(address=address, logging_level="WARNING")
