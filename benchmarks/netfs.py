@@ -147,7 +147,8 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
 
         def reset(self) -> None:
             with self.lock:
-                self.counts = {"requests": 0, "bytes": 0, "meta_requests": 0, "most_in_flight": 0, "files": {}}
+                self.counts = {"requests": 0, "bytes": 0, "meta_requests": 0, "most_in_flight": 0, "files": {},
+                               "stalled_at": None}
 
         def _real(self, path: str) -> str:
             return os.path.join(source, path.lstrip("/"))
@@ -240,6 +241,9 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             if not fault or self.counts["bytes"] < fault.get("after_bytes", 0):
                 return size
             if fault.get("stall"):
+                with self.lock:
+                    if self.counts["stalled_at"] is None:
+                        self.counts["stalled_at"] = time.monotonic()
                 self.answering.wait()
             if fault.get("fail"):
                 raise mfusepy.FuseOSError(int(fault["fail"]))
@@ -345,7 +349,8 @@ class NetFS:
     def stats(self) -> dict:
         """The counts since the mount (or the last reset): `requests` and `bytes` of reads served, the same per file
         under `files` (by path in the mount, "/name"), `meta_requests` (lookups, opens, listings), `most_in_flight`
-        (most reads served at once), and the `config` in force."""
+        (most reads served at once), `stalled_at` (the `time.monotonic()` of the first read a stall held, None before
+        one: Linux's monotonic clock is the machine's, so another process may compare it), and the `config` in force."""
         with open(self.path(CONTROL.lstrip("/"), "stats"), "rb") as f:
             return json.loads(f.read())
 
