@@ -5,8 +5,9 @@ Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 --cache cold warm --runs 5 \
         --formats raylazy auto runai_streamer raylazy:ranged --dtype bfloat16 bfloat16:float32 float32:bfloat16
 
-Runs alternate: for each repetition, for each tp and cache state, every format in turn (A B C A B C ...), so
-drift on a shared machine spreads over all formats alike. Each run is a fresh process (`--one`). Before it,
+Runs alternate: for each repetition, for each tp and cache state, every format in turn, in reverse order every
+other repetition (A B C C B A A B C ...), so drift on a shared machine spreads over all formats alike and none
+always runs first. Each run is a fresh process (`--one`). Before it,
 the parent makes the cache state (cold: the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the
 files read once) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times
 `LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
         for tp in args.tp:
             for cache in args.cache:
                 for model, served in cases:
-                    for spec in args.formats:
+                    for spec in args.formats[:: 1 if rep % 2 == 0 else -1]:
                         r = measure(model, spec, tp, cache, served, device)
                         print(json.dumps({"run": rep, **r}), file=sys.stderr, flush=True)
                         rows.append(r)
