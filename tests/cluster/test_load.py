@@ -119,15 +119,12 @@ def truncating_loader(path: str, size: int) -> type:
 
 
 @pytest.mark.ray
+@pytest.mark.usefixtures("two_node_cluster")
 class TestMultiNode:
     """Two Ray nodes on this machine, each with 2 CPUs and 2 logical GPUs."""
 
-    @pytest.fixture(scope="class")
-    def cluster(self, two_node_cluster):
-        return two_node_cluster
-
     @staticmethod
-    def _load_and_check(cluster, llama_dir: str, tp: int, strategy: str) -> list[str]:
+    def _load_and_check(llama_dir: str, tp: int, strategy: str) -> list[str]:
         """Load, check the three views of placement agree and the shards are right; returns rank -> node id."""
         nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         assert len(nodes) == 2
@@ -157,23 +154,23 @@ class TestMultiNode:
         assert_no_leaks(before, f"{strategy} release")
         return placed
 
-    def test_pack_fills_both_nodes(self, cluster, llama_dir):
-        placed = self._load_and_check(cluster, llama_dir, 4, "PACK")
+    def test_pack_fills_both_nodes(self, llama_dir):
+        placed = self._load_and_check(llama_dir, 4, "PACK")
         # 4 ranks of 1 GPU on nodes of 2 GPUs: PACK must fill both nodes, 2 ranks each, and Ray packs
         # bundles in order (a node takes as many as fit before the next is used): ranks 0,1 | 2,3
         assert sorted(Counter(placed).values()) == [2, 2], placed
         assert placed[0] == placed[1] != placed[2] == placed[3], f"PACK should fill one node, then the next: {placed}"
 
-    def test_spread_alternates_nodes(self, cluster, llama_dir):
-        placed = self._load_and_check(cluster, llama_dir, 4, "SPREAD")
+    def test_spread_alternates_nodes(self, llama_dir):
+        placed = self._load_and_check(llama_dir, 4, "SPREAD")
         assert sorted(Counter(placed).values()) == [2, 2], placed
         # Ray's SPREAD gives each node one bundle per round, in bundle order for the first round
         # only: ranks 0,1 go to different nodes, 2,3 to the two GPUs left, in either order. Strict
         # alternation (0,2 | 1,3) is common but not promised: [A, B, B, A] happens too.
         assert placed[0] != placed[1] and placed[2] != placed[3], f"SPREAD should alternate nodes: {placed}"
 
-    def test_strict_spread_one_rank_per_node(self, cluster, llama_dir):
-        placed = self._load_and_check(cluster, llama_dir, 2, "STRICT_SPREAD")
+    def test_strict_spread_one_rank_per_node(self, llama_dir):
+        placed = self._load_and_check(llama_dir, 2, "STRICT_SPREAD")
         assert len(set(placed)) == 2, placed
 
 
