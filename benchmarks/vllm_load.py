@@ -7,9 +7,9 @@ Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, 
 
 Runs alternate: for each repetition, for each tp and cache state, every format in turn, in reverse order every
 other repetition (A B C C B A A B C ...), so drift on a shared machine spreads over all formats alike and none
-always runs first. Each run is a fresh process (`--one`). Before it,
-the parent makes the cache state (cold: the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the
-files read once) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times
+always runs first. Each run is a fresh process (`--one`). Before it, the parent makes the cache state (cold:
+the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the files read once) and reads the device's
+counters (/proc/diskstats). The child imports vLLM, then times
 `LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and
 sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every worker's weight-loading
 step (its loader's `load_weights`, whatever the format) is timed alike: the child and the workers vLLM spawns
