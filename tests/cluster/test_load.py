@@ -180,7 +180,8 @@ class TestMultiNode:
 @pytest.mark.ray
 class TestShards:
     @pytest.fixture(scope="class")
-    def actors(self, ray_local):
+    @classmethod
+    def actors(cls, ray_local):
         """Four `RcharLoader` rank actors for every load of the class (an actor start imports torch: seconds)."""
         actors = [ray.remote(num_cpus=1)(RcharLoader).remote(r, "cpu") for r in range(max(TPS))]
         yield actors
@@ -188,7 +189,8 @@ class TestShards:
             ray.kill(a)
 
     @pytest.fixture(scope="class", params=CASES, ids=lambda p: f"{p[0]}-tp{p[1]}" + ("" if p[2] == "auto" else f"-{p[2]}"))
-    def case(self, request, actors):
+    @classmethod
+    def case(cls, request, actors):
         kind, tp, backend = request.param
         model_dir = request.getfixturevalue(f"{kind}_dir")
         loaded = raylazy.load(model_dir, tp, device="cpu", progress=False, backend=backend, actors=actors[:tp])
