@@ -9,9 +9,9 @@ Runs alternate: for each repetition, for each tp and cache state, every format i
 other repetition (A B C C B A A B C ...), so drift on a shared machine spreads over all formats alike and none
 always runs first. Each run is a fresh process (`--one`). Before it, the parent makes the cache state (cold:
 the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the files read once) and reads the device's
-counters (/proc/diskstats). The child imports vLLM, then times
-`LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and
-sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every worker's weight-loading
+counters (/proc/diskstats). The child imports vLLM, then times `LLM(...)` up to its first generated token
+("ready": engine, workers, weights, KV cache, one greedy token), and sums the `read_bytes` of itself and its
+descendants, the vLLM workers (/proc/PID/io). Every worker's weight-loading
 step (its loader's `load_weights`, whatever the format) is timed alike: the child and the workers vLLM spawns
 (which import this file again) wrap it (`time_load_steps`). "load" is the slowest worker's step; "node load" the
 engine's, from the first worker's start of it to the last one's end. They differ where the workers start apart:
