@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from math import prod
 from operator import add, attrgetter, itemgetter, ne, sub
 from types import MappingProxyType
@@ -169,8 +169,10 @@ def _written_header(blob: bytes, text: str, data_start: int) -> tuple[list[Tenso
     compact entries (`_WRITTEN_ENTRY`), `}`, then spaces to pad it; no backslash and no control character in it,
     so every string is its characters. Read by one regular expression, without building the JSON's dicts and
     lists: the header split at its entries, into their fields and the text between them, all of it empty.
-    None for any other header, or one whose entries are not common (`_common_entries`), or whose
-    names or metadata keys repeat: the JSON reading then decides."""
+    Its offsets are checked as written, all at once: from 0, each tensor's where the last ended, its end its
+    shape's whole bytes (no empty dim) past its begin. None for any other header, or one whose entries are not
+    so laid out or not common (`_common_entries`), or whose names or metadata keys repeat: the JSON reading then
+    decides."""
     if b"\\" in blob or len(blob.translate(None, _CONTROL)) != len(blob):
         return None
     body = text.rstrip(" ")
@@ -187,13 +189,20 @@ def _written_header(blob: bytes, text: str, data_start: int) -> tuple[list[Tenso
     if len(pieces) == 1 or any(pieces[::6]):  # no entry, or text between entries (or after the last)
         return None
     names, dtypes, shapes, begins, ends = (pieces[i::6] for i in range(1, 6))
-    if len(set(names)) != len(names) or "__metadata__" in names or not set(dtypes) <= _BITS.keys():
+    if len(set(names)) != len(names) or "__metadata__" in names or not set(dtypes) <= _BITS.keys() \
+            or begins[0] != "0" or begins[1:] != ends[:-1]:  # not one after another from byte 0, as written
         return None
     dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes)}
-    tensors = _infos(names, dtypes, list(map(dims.__getitem__, shapes)), list(map(int, begins)),
-                     list(map(int, ends)), data_start)
-    if tensors is None:
+    shapes = list(map(dims.__getitem__, shapes))
+    kinds = list(zip(shapes, dtypes))
+    nbytes = {kind: _whole_bytes(*kind) for kind in set(kinds)}
+    if None in nbytes.values():
         return None
+    sizes = list(map(nbytes.__getitem__, kinds))
+    if list(map(int, ends)) != list(accumulate(sizes)):  # each tensor's bytes fill its offsets
+        return None
+    bounds = list(accumulate(sizes, initial=data_start))
+    tensors = list(map(_new_info, zip(names, dtypes, shapes, bounds, bounds[1:])))
     return tensors, None if metadata is None else MappingProxyType(metadata)
 
 

@@ -70,7 +70,8 @@ def test_matches_safetensors_on_save_file_output(tmp_path, with_metadata):
 def test_headers_as_safetensors_writes_them_read_as_their_json(monkeypatch, metadata):
     """save_file's headers (compact, the metadata first, padded with spaces) are read without the JSON parser
     (`_written_header`) into exactly what the JSON path reads; the same header spelled otherwise (the metadata
-    last, spaces after the separators, an entry's fields in another order) is not of that form, and still read."""
+    last, spaces after the separators, an entry's fields in another order, the entries out of offset order) is
+    not of that form, and still read."""
     from raylazy.core import header as h
 
     tensors = {f"model.layers.{i}.w{i}": _random_tensor(dt, shape, i) for i, (dt, shape) in
@@ -83,7 +84,8 @@ def test_headers_as_safetensors_writes_them_read_as_their_json(monkeypatch, meta
     variants = [blob, build({**entries, "__metadata__": raw.get("__metadata__", {})}, data),
                 build(json.dumps(raw), data),
                 build({k: {"shape": v["shape"], "dtype": v["dtype"], "data_offsets": v["data_offsets"]}
-                       for k, v in entries.items()}, data)]
+                       for k, v in entries.items()}, data),
+                build(dict(reversed(entries.items())), data)]
     for i, b in enumerate(variants):
         k = int.from_bytes(b[:8], "little")
         written = h._written_header(b[8 : 8 + k], b[8 : 8 + k].decode(), 8 + k)
