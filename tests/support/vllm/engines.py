@@ -34,6 +34,7 @@ import gc
 import glob
 import json
 import os
+import sys
 
 
 def proc_io() -> dict[str, int]:
@@ -176,14 +177,17 @@ def run(spec: dict, prompts: list[list[int]], max_tokens: int, ready: str | None
 
 def plugins() -> dict:
     """What vLLM's own plugin loading makes of load_format="raylazy" in a process that has not imported raylazy:
-    the loader's class, and what making it with each bad option raised."""
+    the raylazy modules it imported, the loader's class and the raylazy modules imported once one is made, and
+    what making it with each bad option raised."""
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    out = {"registering imported": sorted(m for m in sys.modules if m.startswith("raylazy"))}
     config = LoadConfig(load_format="raylazy", model_loader_extra_config={"threads": 2})
-    out = {"loader": type(get_model_loader(config)).__name__}
+    out["loader"] = type(get_model_loader(config)).__name__
+    out["a loader imported"] = sorted(m for m in sys.modules if m.startswith("raylazy"))
     for extra in ({"threads": 0}, {"bogus": 1}, {"backend": "nvme"}, {"replay": "no"}):
         try:
             get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config=extra))

@@ -1,0 +1,117 @@
+"""What one vLLM worker does to load its weights with raylazy (`raylazy.integrations.vllm`'s loader calls it): its
+checkpoint opened, then either one run of the model's `load_weights` copying each region out of the page cache as it
+asks, or a run recorded over lazy weights, the regions read with the node's other workers, and the recording replayed
+or the model run again; one line logged (`raylazy.integrations.report.summary`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+from vllm.config import ModelConfig
+from vllm.logger import init_logger
+
+from ..core.checkpoint import Checkpoint
+from ..io.stats import Meter
+from ..storage import open_checkpoint
+from .lazy import lazy_weights
+from .options import LazyOptions
+from .recording import Recording, in_place, overlapping, wanted
+from .reload import keep, weights_for_reload
+from .report import summary
+from .serving import AtOnce, NodeGroup, RegionReader, Serving
+
+logger = init_logger("vllm.raylazy")
+
+
+def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: LazyOptions):
+    """Load this worker's weights of `model` from the checkpoint `model_config` names; returns what the model's
+    `load_weights` says it loaded (None where the model's loader says nothing)."""
+    meter = Meter()
+    ckpt = checkpoint(model_config, options)
+    device, group = next(model.parameters()).device, _workers()
+    with RegionReader(ckpt, options) as reads:
+        if reads.copies_at_once():
+            loaded, mode, why, takes = _at_once(model, ckpt, reads, group)
+        else:
+            loaded, mode, why, takes = _recorded(model, ckpt, reads, options, device, group)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    seconds, rchar = meter.elapsed()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    logger.info(summary(rank, reads.stats, ckpt.nbytes, params, mode, why, rchar, seconds))
+    keep(model, model_config, ckpt, takes, params)
+    return loaded
+
+
+def reload_weights(model: torch.nn.Module, model_config: ModelConfig, options: LazyOptions):
+    """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now names,
+    as lazy weights served synchronously (`raylazy.integrations.reload`)."""
+    return weights_for_reload(model, model_config, options, checkpoint, _workers(), logger)
+
+
+def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, group: NodeGroup | None):
+    """The model's `load_weights` once, over lazy weights copied out of the page cache as it asks, then this
+    worker's part in the load's gathering (`AtOnce`: workers of the engine that found the checkpoint elsewhere
+    record, and read together without it): (what it loaded, mode, why, each region's takes)."""
+    with AtOnce(reads, group) as run:
+        loaded = model.load_weights(lazy_weights(ckpt, run))
+    return loaded, "at-once", "the checkpoint in the page cache", dict(run.taken)
+
+
+def _recorded(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, options: LazyOptions,
+              device: torch.device, group: NodeGroup | None):
+    """The model's `load_weights` recorded over lazy weights, the regions read (with the node's workers), then the
+    recording replayed or the model run again: (what it loaded, mode, why not a replay, each region's takes)."""
+    recording = Recording(reads.read_alone)
+    with recording.watching():
+        loaded = model.load_weights(lazy_weights(ckpt, recording))
+    recording.check_targets(itertools.chain(model.parameters(), model.buffers()))
+    replay = options.replay and recording.replayable
+    out = in_place(recording.copies, device) if replay else {}
+    takes = wanted(recording.copies, None if replay else recording.opaque)
+    ordered = replay and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
+    # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
+    with Serving(reads, takes, out, group, device if replay else "cpu", ordered) as serving:
+        if replay:
+            serving.replay(recording.copies)
+        else:
+            loaded = model.load_weights(lazy_weights(ckpt, serving))
+    reads.stats.count_opaque(recording.opaque)
+    # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
+    return (loaded, "replay" if replay else "rerun", recording.why_not_replayable,
+            wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}))
+
+
+def checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
+    """The checkpoint a model config names: the loader's one way to its files. For a model in object storage vLLM
+    keeps the URI in `model_weights` (`model` is a local directory of its config files): the weights are read
+    from there, reached with the options' `storage_options` (else the environment)."""
+    model = model_config.model_weights or model_config.model
+    if model_config.revision and not model_config.model_weights and not os.path.exists(model):
+        model = f"{model}@{model_config.revision}"
+    return open_checkpoint(model, options.reader.storage_options)
+
+
+class _Workers:
+    """vLLM's workers of this engine, over its world group's CPU (gloo) process group."""
+
+    def __init__(self, world):
+        self.rank, self.size, self._group = world.rank_in_group, world.world_size, world.cpu_group
+
+    def all_gather(self, obj) -> list:
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj, group=self._group)
+        return out
+
+
+def _workers() -> NodeGroup | None:
+    """The engine's workers, which load at once (None outside an engine, or where vLLM's world also holds other
+    engines' workers: data-parallel replicas need not load when this one does)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        world, tp, pp = ps.get_world_group(), ps.get_tp_group(), ps.get_pp_group()
+    except AssertionError:  # vLLM's groups are not initialised in this process
+        return None
+    return _Workers(world) if world.world_size == tp.world_size * pp.world_size else None
