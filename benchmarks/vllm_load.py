@@ -5,7 +5,7 @@ Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 --cache cold warm --runs 5 \
         --formats raylazy auto runai_streamer raylazy:ranged --dtype bfloat16 bfloat16:float32 float32:bfloat16
 
-Runs alternate: for each repetition, for each tp and cache state, every format in turn, in reverse order every
+Before the runs, raylazy's modules are compiled to bytecode, as pip installs them. Runs alternate: for each repetition, for each tp and cache state, every format in turn, in reverse order every
 other repetition (A B C C B A A B C ...), so drift on a shared machine spreads over all formats alike and none
 always runs first. Each run is a fresh process (`--one`). Before it, the parent makes the cache state (cold:
 the checkpoint's pages evicted with posix_fadvise DONTNEED; warm: the files read once) and reads the device's
@@ -35,6 +35,8 @@ file), where the fixed cost of raylazy's step (its recording pass, the node's ag
 from __future__ import annotations
 
 import argparse
+import compileall
+import importlib.util
 import json
 import os
 import re
@@ -230,6 +232,9 @@ def main(argv=None) -> int:
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
+    # raylazy's bytecode, as pip installs it: without it (an editable install where PYTHONDONTWRITEBYTECODE is set,
+    # as on the machine of docs/benchmarks.md) every vLLM process compiles raylazy's modules again, 0.2-0.3 s
+    compileall.compile_dir(os.path.dirname(importlib.util.find_spec("raylazy").origin), quiet=1)
     cases = checkpoints(args.model, args.dtype, args.shape)
     files = [f for model, _ in dict.fromkeys(cases) for f in checkpoint_files(model)]
     device = Device(files)
