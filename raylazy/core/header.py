@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, chain, repeat
 from math import prod
-from operator import add, attrgetter, itemgetter, ne, sub
+from operator import add, attrgetter, itemgetter, sub
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -194,12 +194,8 @@ def _written_header(blob: bytes, text: str, data_start: int) -> tuple[list[Tenso
         return None
     dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes)}
     shapes = list(map(dims.__getitem__, shapes))
-    kinds = list(zip(shapes, dtypes))
-    nbytes = {kind: _whole_bytes(*kind) for kind in set(kinds)}
-    if None in nbytes.values():
-        return None
-    sizes = list(map(nbytes.__getitem__, kinds))
-    if list(map(int, ends)) != list(accumulate(sizes)):  # each tensor's bytes fill its offsets
+    sizes = _sizes(shapes, dtypes)
+    if sizes is None or list(map(int, ends)) != list(accumulate(sizes)):  # each tensor's bytes fill its offsets
         return None
     bounds = list(accumulate(sizes, initial=data_start))
     tensors = list(map(_new_info, zip(names, dtypes, shapes, bounds, bounds[1:])))
@@ -253,14 +249,20 @@ def _common_entries(root: dict, data_start: int) -> list[TensorInfo] | None:
 def _infos(names, dtypes: list[str], shapes: list[tuple[int, ...]], begins: list, ends: list,
            data_start: int) -> list[TensorInfo] | None:
     """The TensorInfos of entries given field by field (known dtypes, dims integers), if their offsets are integers
-    in [0, 2**64) and each shape of its dtype is whole bytes (no empty dim) that fill its offsets; else None.
-    Sizes are worked out once per distinct (shape, dtype): a file's hundreds of tensors have a few dozen."""
-    nbytes = {kind: _whole_bytes(*kind) for kind in set(zip(shapes, dtypes))}
-    if None in nbytes.values() or not _u64s(begins, 0) or not _u64s(ends, 0) \
-            or any(map(ne, map(nbytes.__getitem__, zip(shapes, dtypes)), map(sub, ends, begins))):
+    in [0, 2**64) and each shape of its dtype is whole bytes (no empty dim) that fill its offsets; else None."""
+    sizes = _sizes(shapes, dtypes)
+    if sizes is None or not _u64s(begins, 0) or not _u64s(ends, 0) or sizes != list(map(sub, ends, begins)):
         return None
     at = repeat(data_start)
     return list(map(_new_info, zip(names, dtypes, shapes, map(add, begins, at), map(add, ends, at))))
+
+
+def _sizes(shapes: list[tuple[int, ...]], dtypes: list[str]) -> list[int] | None:
+    """Each tensor's bytes (`_whole_bytes`), or None if any shape of its dtype is not whole bytes under 2**64 (or
+    has an empty dim). Worked out once per distinct (shape, dtype): a file's hundreds of tensors have a few dozen."""
+    kinds = list(zip(shapes, dtypes))
+    nbytes = {kind: _whole_bytes(*kind) for kind in set(kinds)}
+    return None if None in nbytes.values() else list(map(nbytes.__getitem__, kinds))
 
 
 #: A TensorInfo from its fields' tuple, made in C (`map` calls it once per tensor).
