@@ -25,10 +25,13 @@ checkpoint's size come from. A format `raylazy:KEY=VALUE,...` passes those optio
 another format's (`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)` itself. `--dtype CHECKPOINT[:SERVED]`
 names the checkpoint's dtype and the dtype vLLM serves it in (the same by default; `bfloat16:float32` converts every
 weight while loading); several are alternated like the formats. The table gives medians (and the range) over the
-repetitions; every run's numbers go to stderr as JSON. The default checkpoint is the benchmark's Llama
-(benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32), built on first use;
-`--shape small` a smaller one of more, smaller tensors (9 layers of hidden 1024, one 0.41 GB file), where the fixed
-cost of raylazy's step (its recording pass, the node's agreement) weighs most. """
+repetitions, then each format's node load step against the first format's, repetition by repetition (the median of
+the differences: the machine's slower spells span several runs, and a difference of medians moves with them); every
+run's numbers go to stderr as JSON, with how each raylazy worker loaded ("modes": at-once, replay or rerun). The
+default checkpoint is the benchmark's Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in
+bf16, 1.07 GB in float32), built on first use; `--shape small` a smaller one of more, smaller tensors (9 layers of
+hidden 1024, one 0.41 GB file), where the fixed cost of raylazy's step (its recording pass, the node's agreement)
+weighs most. """
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_ch
 from benchmarks.loaders.diskstats import Device, refaulted_bytes  # noqa: E402
 from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.loaders.pagecache import evict  # noqa: E402
+from raylazy.integrations.report import fields  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
 #: The benchmark checkpoints (`--shape`), Llama-shaped: "default" 3 layers of hidden 2048 (0.53 GB in bf16, in 3
@@ -156,7 +160,9 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
         error = [line for line in done.stdout.splitlines() if "Error" in line] or done.stdout.splitlines()
         return {**row, "error": (error[-1] if error else "")[-200:]}
     steps = [tuple(map(float, m)) for m in re.findall(r"^LOADSTEP ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
-    return {**row, **result, "load_s": max((b - a for a, b in steps), default=None),
+    modes = [f["mode"] for f in map(fields, done.stdout.splitlines()) if f]  # how each raylazy worker loaded
+    return {**row, **result, **({"modes": modes} if modes else {}),
+            "load_s": max((b - a for a, b in steps), default=None),
             "node_load_s": max(b for _, b in steps) - min(a for a, _ in steps) if steps else None,
             "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None,
             "refaulted_bytes": refaulted}
@@ -186,6 +192,23 @@ def table(rows: list[dict]) -> list[str]:
                    f"{med([r['disk_bytes'] for r in ok], mb)} | {med([r['refaulted_bytes'] for r in ok], mb)} | "
                    f"{med([r['mean_request'] for r in ok], kb)} | {med([r['read_bytes'] for r in ok], mb)} | "
                    f"{med([r['worker_max'] for r in ok], mb)} |")
+    return out
+
+
+def paired(rows: list[dict], first: str) -> list[str]:
+    """Each other format's node load step against format `first`'s, repetition by repetition (the same tp, cache
+    state and dtype, run moments apart): the median of the differences, and in how many repetitions `first` was
+    slower. Less swayed than a difference of medians by the machine's slower spells, which span several runs."""
+    steps = {(r["run"], r["tp"], r["cache"], r["dtype"], r["format"]): r["node_load_s"] for r in rows
+             if r.get("node_load_s") is not None}
+    out = []
+    for tp, cache, dtype, spec in dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows):
+        diffs = [steps[k] - steps[(*k[:4], spec)] for k in steps
+                 if k[1:] == (tp, cache, dtype, first) and (*k[:4], spec) in steps]
+        if spec != first and diffs:
+            out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: node load step {statistics.median(diffs):+.3f} s "
+                       f"by the median of {len(diffs)} paired repetitions, {first} slower in "
+                       f"{sum(d > 0 for d in diffs)} of them")
     return out
 
 
@@ -247,10 +270,11 @@ def main(argv=None) -> int:
                 for model, served in cases:
                     for spec in args.formats[:: 1 if rep % 2 == 0 else -1]:
                         r = measure(model, spec, tp, cache, served, device)
-                        print(json.dumps({"run": rep, **r}), file=sys.stderr, flush=True)
+                        r = {"run": rep, **r}
+                        print(json.dumps(r), file=sys.stderr, flush=True)
                         rows.append(r)
     print(f"uptime after: {os.popen('uptime').read().strip()}")
-    print("\n".join(table(rows)))
+    print("\n".join(table(rows) + [""] + paired(rows, args.formats[0])))
     return 0
 
 
