@@ -199,17 +199,27 @@ def paired(rows: list[dict], first: str) -> list[str]:
     """Each other format's node load step against format `first`'s, repetition by repetition (the same tp, cache
     state and dtype, run moments apart): the median of the differences, and in how many repetitions `first` was
     slower. Less swayed than a difference of medians by the machine's slower spells, which span several runs."""
-    steps = {(r["run"], r["tp"], r["cache"], r["dtype"], r["format"]): r["node_load_s"] for r in rows
-             if r.get("node_load_s") is not None}
+    steps: dict[tuple, dict[int, dict[str, float]]] = {}  # (tp, cache, dtype) -> repetition -> format -> step
+    for r in rows:
+        if r.get("node_load_s") is not None:
+            case = steps.setdefault((r["tp"], r["cache"], r["dtype"]), {})
+            case.setdefault(r["run"], {})[r["format"]] = r["node_load_s"]
     out = []
-    for tp, cache, dtype, spec in dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows):
-        diffs = [steps[k] - steps[(*k[:4], spec)] for k in steps
-                 if k[1:] == (tp, cache, dtype, first) and (*k[:4], spec) in steps]
-        if spec != first and diffs:
-            out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: node load step {statistics.median(diffs):+.3f} s "
-                       f"by the median of {len(diffs)} paired repetitions, {first} slower in "
-                       f"{sum(d > 0 for d in diffs)} of them")
+    for (tp, cache, dtype), reps in steps.items():
+        for spec in dict.fromkeys(f for by in reps.values() for f in by if f != first):
+            diffs = [by[first] - by[spec] for by in reps.values() if first in by and spec in by]
+            if diffs:
+                out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: node load step "
+                           f"{statistics.median(diffs):+.3f} s by the median of {len(diffs)} paired repetitions, "
+                           f"{first} slower in {sum(d > 0 for d in diffs)} of them")
     return out
+
+
+def compile_raylazy() -> None:
+    """raylazy's modules compiled to bytecode, as pip installs them: without it (an editable install where
+    PYTHONDONTWRITEBYTECODE is set, as on the machine of docs/benchmarks.md) every vLLM process compiles them
+    again, 0.2-0.3 s."""
+    compileall.compile_dir(os.path.dirname(importlib.util.find_spec("raylazy").origin), quiet=1)
 
 
 def run_options(doc: str, runs: int) -> argparse.ArgumentParser:
@@ -253,9 +263,7 @@ def main(argv=None) -> int:
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
-    # raylazy's bytecode, as pip installs it: without it (an editable install where PYTHONDONTWRITEBYTECODE is set,
-    # as on the machine of docs/benchmarks.md) every vLLM process compiles raylazy's modules again, 0.2-0.3 s
-    compileall.compile_dir(os.path.dirname(importlib.util.find_spec("raylazy").origin), quiet=1)
+    compile_raylazy()
     cases = checkpoints(args.model, args.dtype, args.shape)
     files = [f for model, _ in dict.fromkeys(cases) for f in checkpoint_files(model)]
     device = Device(files)

@@ -5,14 +5,16 @@ Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, 
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_reload.py --tp 1 2 --cache cold warm --runs 3
 
-Each repetition, for each tp and cache state, runs in turn (A B C A B C ...): `raylazy` and `auto` (a fresh
-process starts an engine with that format on the checkpoint, the parent's copy "step 0", then makes the cache
-state of "step 1", a copy of it in another directory, and reloads from it) and `fresh` (benchmarks/vllm_load.py's
-engine start, on vLLM's default loader, to the first token; `--what raylazy auto` leaves it out). Cold: step
-1's pages evicted; warm: its files read once. Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it,
-the bytes it made the storage read (read_bytes; the most one worker read, and the workers' sum: the node's) and
-those its read calls returned (rchar: not the pages a memory map or the cooperative reader's shared copies
-take); and what /proc/diskstats saw the checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's 0.53 GB Llama.
+raylazy's modules are compiled to bytecode first (benchmarks/vllm_load.py's `compile_raylazy`). Each repetition, for
+each tp and cache state, runs in turn (A B C A B C ...): `raylazy` and `auto` (a fresh process starts an engine with
+that format on the checkpoint, the parent's copy "step 0", then makes the cache state of "step 1", a copy of it in
+another directory, and reloads from it) and `fresh` (benchmarks/vllm_load.py's engine start, on vLLM's default
+loader, to the first token; `--what raylazy auto` leaves it out). Cold: step 1's pages evicted; warm: its files read
+once. Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it, the
+bytes it made the storage read (read_bytes; the most one worker read, and the workers' sum: the node's) and those
+its read calls returned (rchar: not the pages a memory map or the cooperative reader's shared copies take); and what
+/proc/diskstats saw the checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's
+0.53 GB Llama.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
-from benchmarks.vllm_load import SHAPES, measure, prepare, run_options  # noqa: E402
+from benchmarks.vllm_load import SHAPES, compile_raylazy, measure, prepare, run_options  # noqa: E402
 
 
 def worker_io(worker) -> dict:
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.step, args.one, args.tp[0], args.cache[0])), flush=True)
         return 0
+    compile_raylazy()
     source = args.model or ensure_checkpoint(SHAPES["default"])
     steps = [os.path.join(args.work, f"step-{i}") for i in (0, 1)]
     for step in steps:
