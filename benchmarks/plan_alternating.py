@@ -17,46 +17,23 @@ rounds' spread.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # plan_deepseek, run from a checkout
 
 import plan_405b  # noqa: E402
+from plan_405b import HERE, fresh_process_times  # noqa: E402
 from plan_deepseek import write_checkpoint  # noqa: E402
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TIME = r"""
-import json, sys, time
-from raylazy.planning import make_plan
-plan = lambda: make_plan(sys.argv[1], 8, **json.loads(sys.argv[3]))
-t0 = time.process_time(); plan(); times = [time.process_time() - t0]  # the process's first call
-for _ in range(int(sys.argv[2])):
-    t0 = time.process_time(); plan(); times.append(time.process_time() - t0)
-print(json.dumps(times))
-"""
-
-
-#: Each layout: how it is written (`write(dir)`) and make_plan's options past `tp=8`.
+#: Each layout: how it is written (`write(dir)`) and make_plan's options.
 LAYOUTS = {
-    "bf16": (lambda d: write_checkpoint(d, layout="bf16"), {"pp": 2, "expert_parallel": True}),
-    "fp8": (lambda d: write_checkpoint(d, layout="fp8"), {"pp": 2, "expert_parallel": True}),
-    "405b": (plan_405b.write_checkpoint, {}),
+    "bf16": (lambda d: write_checkpoint(d, layout="bf16"), {"tp": 8, "pp": 2, "expert_parallel": True}),
+    "fp8": (lambda d: write_checkpoint(d, layout="fp8"), {"tp": 8, "pp": 2, "expert_parallel": True}),
+    "405b": (plan_405b.write_checkpoint, {"tp": 8}),
 }
-
-
-def time_tree(tree: str, model_dir: str, runs: int, options: dict) -> list[float] | str:
-    """CPU seconds of each planning run of `model_dir` (`make_plan(dir, 8, **options)`) by the raylazy of source
-    tree `tree` in a fresh process, its first call first, or its error line."""
-    res = subprocess.run([sys.executable, "-c", _TIME, model_dir, str(runs), json.dumps(options)],
-                         capture_output=True, text=True, cwd=tempfile.gettempdir(), env={**os.environ, "PYTHONPATH": tree})
-    if res.returncode:
-        return (res.stderr.strip().splitlines() or ["failed"])[-1][:160]
-    return json.loads(res.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for layout in args.layouts:
                 for label, tree in (("before", args.before), ("after", HERE)):
-                    times = time_tree(tree, dirs[layout], args.runs, LAYOUTS[layout][1])
+                    times = fresh_process_times(dirs[layout], LAYOUTS[layout][1], args.runs, tree)
                     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
                     if isinstance(times, str):
                         print(f"round {r}  {label:6s} {layout:4s}  {times}  (load {load})", flush=True)

@@ -6,7 +6,8 @@ layer, multi-head latent attention): every linear layer but the router FP8 (F8_E
 block scales (`weight_scale_inv`), the rest bf16, and the multi-token-prediction layer 61 after the last
 (91,991 tensors, as the release's index lists them) over 163 shards with an index and a config.json holding its
 quantization_config. Then it times `make_plan(dir, tp=8, pp=2, expert_parallel=True)` (the MTP layer skipped,
-as vLLM's main model skips it), counts the bytes planning reads (`rchar`: headers, index and config.json only)
+as vLLM's main model skips it): `--fresh` fresh processes' first calls, then `--runs` calls in this process;
+counts the bytes planning reads (`rchar`: headers, index and config.json only)
 and prints each rank's bytes, with their min, max and mean. `--layout bf16` writes the layout planned before
 quantized checkpoints were (bf16, no scales, no MTP layer: 45,395 tensors).
 
@@ -14,8 +15,9 @@ quantized checkpoints were (bf16, no scales, no MTP layer: 45,395 tensors).
     python benchmarks/plan_deepseek.py --layers 6 --files 9 --tp 4
     python benchmarks/plan_deepseek.py --layout bf16
 
-Target: planning under 1 s of CPU time (single-threaded; the wall time on a shared machine also measures
-the neighbours).
+Target: every fresh process's first call under 1 s of CPU time (single-threaded; the headers in the page cache;
+the wall time on a shared machine also measures the neighbours). The calls in this process, which wrote the
+checkpoint and holds its specs, are printed beside them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # plan_405b, run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +33,7 @@ from plan_405b import (  # noqa: E402
     _gb,
     _load,
     _timed,
+    fresh_process_times,
     measure_read_bytes,
     mount_table_bytes,
     on_checkpoint,
@@ -143,13 +145,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, out=print) -> dict:
-    """Time planning of `model_dir` and print per-rank bytes; returns the numbers."""
-    plan_it = lambda: make_plan(model_dir, tp, pp=pp, expert_parallel=True)  # noqa: E731
-    c0 = time.process_time()
-    plan_it()  # the first call of this process: regular expressions compiled, the heap grown
-    first_cpu = time.process_time() - c0
-    plan, planning_rchar = measure_read_bytes(plan_it)
+def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, fresh: int = 5, out=print) -> dict:
+    """Time planning of `model_dir` (`runs` calls in this process, and the first call of `fresh` fresh processes,
+    the goal's case) and print per-rank bytes; returns the numbers."""
+    options = {"tp": tp, "pp": pp, "expert_parallel": True}
+    plan_it = lambda: make_plan(model_dir, **options)  # noqa: E731
+    plan, planning_rchar = measure_read_bytes(plan_it)  # and the headers in the page cache
+    firsts = [fresh_process_times(model_dir, options) for _ in range(fresh)]
+    failed = [f for f in firsts if isinstance(f, str)]
+    if failed:
+        raise RuntimeError(f"planning in a fresh process failed: {failed[0]}")
+    firsts = [f[0] for f in firsts]
     plan_s, plan_all, plan_cpu = _timed(plan_it, runs)
     expected_rchar = info["header_bytes"] + info["side_bytes"] + mount_table_bytes()
     needed = [rp.stats.bytes_needed for rp in plan.ranks]
@@ -169,27 +175,28 @@ def run(model_dir: str, info: dict, tp: int = 8, pp: int = 2, runs: int = 5, out
         (f"make_plan(dir, {tp}, pp={pp}, expert_parallel=True), median wall", f"{plan_s * 1e3:,.1f} ms",
          "runs: " + ", ".join(f"{t * 1e3:.0f}" for t in plan_all) + " ms"),
         ("  CPU time, median", f"{plan_cpu * 1e3:,.1f} ms", f"load average {_load()} on {os.cpu_count()} CPUs"),
-        ("  CPU time, the process's first call", f"{first_cpu * 1e3:,.1f} ms", "before it, the headers were in the "
-         "page cache; the runs above follow it"),
+        ("  CPU time, a fresh process's first call, the slowest", f"{max(firsts) * 1e3:,.1f} ms",
+         f"each of {fresh}: " + ", ".join(f"{t * 1e3:.0f}" for t in firsts) + " ms (headers in the page cache)"),
         ("bytes read while planning (rchar)", f"{planning_rchar:,}", f"expected {expected_rchar:,} = headers "
          f"{info['header_bytes']:,} + index/config {info['side_bytes']:,} + mount table"),
-        ("target: planning < 1 s (CPU time)", "PASS" if plan_cpu < 1.0 else "FAIL", ""),
+        ("target: every fresh process plans in < 1 s (CPU time)", "PASS" if max(firsts) < 1.0 else "FAIL", ""),
     ]
     w = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         out(f"{name:<{w}}  {value:>14}  {note}")
-    return {"plan_s": plan_s, "plan_cpu_s": plan_cpu, "planning_rchar": planning_rchar, "expected_rchar": expected_rchar,
-            "plan": plan}
+    return {"plan_s": plan_s, "plan_cpu_s": plan_cpu, "target_cpu_s": max(firsts), "fresh_cpu_s": firsts,
+            "planning_rchar": planning_rchar, "expected_rchar": expected_rchar, "plan": plan}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, CONFIG["num_hidden_layers"], NUM_FILES)
     ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--fresh", type=int, default=5, help="fresh processes timed, each its first call (the goal's case)")
     ap.add_argument("--layout", choices=["fp8", "bf16"], default="fp8",
                     help="fp8: as released (block scales, the MTP layer); bf16: without them")
     args = ap.parse_args(argv)
     return on_checkpoint(args, "plan-deepseek-", lambda d, n, f: write_checkpoint(d, n, f, args.layout),
-                         lambda d, info: run(d, info, args.tp, args.pp, args.runs))
+                         lambda d, info: run(d, info, args.tp, args.pp, args.runs, args.fresh))
 
 
 if __name__ == "__main__":

@@ -62,9 +62,10 @@ def test_deepseek_benchmark_runs_and_reads_only_headers(capsys):
     spec = importlib.util.spec_from_file_location("plan_deepseek", _PATH.replace("plan_405b.py", "plan_deepseek.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--layers", "5", "--files", "7", "--tp", "4", "--runs", "1"]) == 0
+    assert mod.main(["--layers", "5", "--files", "7", "--tp", "4", "--runs", "1", "--fresh", "1"]) == 0
     out = capsys.readouterr().out
     assert "tp=4 x pp=2, expert parallel" in out and "PASS" in out
+    assert re.search(r"a fresh process's first call, the slowest\s+[\d.]+ ms\s+each of 1: ", out), out
     for rank in range(8):  # stage 0: layers 0-2 (dense), stage 1: layers 3-4, each rank 64 of 256 experts
         assert re.search(rf"^\s+{rank}\s+{rank // 4}\s+{rank % 4}\s", out, re.M), out
     m = re.search(r"bytes read while planning \(rchar\)\s+([\d,]+)\s+expected ([\d,]+)", out)
