@@ -8,11 +8,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .core.checkpoint import Checkpoint
+from .core.collector import gc_paused
 from .core.costs import CostModel
 from .core.mesh import Mesh
 from .core.options import PlanOptions, validated
 from .core.placements import Uneven
-from .core.planner import gc_paused, plan_checkpoint
+from .core.planner import plan_checkpoint
 from .core.plans import Plan
 from .core.rules import RulesLike
 from .storage import open_checkpoint, storage_for

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import re
-from contextlib import contextmanager
 from functools import partial
 from itertools import repeat
 from typing import NamedTuple
@@ -18,6 +16,7 @@ from ..errors import (
 )
 from .boxes import Gather, box_reads, gathering, whole_reads
 from .checkpoint import Checkpoint
+from .collector import gc_paused
 from .costs import CostModel
 from .header import TensorInfo
 from .mesh import Mesh
@@ -39,28 +38,6 @@ class Placed(NamedTuple):
     pattern: str
     holders: bool
     shape_only: bool
-
-
-@contextmanager
-def gc_paused():
-    """Pause Python's cyclic garbage collector: a large checkpoint's headers and plan are ~10^5 small acyclic
-    objects, and the collector's passes over them (and over all else alive) would cost more than planning itself.
-
-    On resuming, what was allocated meanwhile goes straight to the oldest generation (`gc.freeze()` then
-    `gc.unfreeze()`: two list splices), as a long-lived plan would after surviving two passes: otherwise the
-    first young pass after it scans every one of those objects (a fifth of a second for DeepSeek-V3's plan). A
-    process that froze objects of its own (`gc.get_freeze_count()`) keeps them frozen: its young objects are
-    then left to the passes."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            if not gc.get_freeze_count():
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def plan_checkpoint(ckpt: Checkpoint, opts: PlanOptions, rules: RulesLike | None = None,

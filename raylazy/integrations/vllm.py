@@ -69,8 +69,11 @@ class RaylazyModelLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
-        from . import worker  # raylazy's readers: imported where a loader is made, not in every vLLM process
-        from .options import lazy_options
+        from ..core.collector import gc_paused
+
+        with gc_paused():  # among a worker's ~6 x 10^5 objects, the collector's passes would cost more than the import
+            from . import worker  # raylazy's readers: imported where a loader is made, not in every vLLM process
+            from .options import lazy_options
 
         self.worker = worker
         self.options = lazy_options(load_config.model_loader_extra_config)  # ConfigurationError naming a bad one
