@@ -39,6 +39,7 @@ import argparse
 import compileall
 import importlib.util
 import json
+import math
 import os
 import re
 import statistics
@@ -197,8 +198,9 @@ def table(rows: list[dict]) -> list[str]:
 
 def paired(rows: list[dict], first: str) -> list[str]:
     """Each other format's node load step against format `first`'s, repetition by repetition (the same tp, cache
-    state and dtype, run moments apart): the median of the differences, and in how many repetitions `first` was
-    slower. Less swayed than a difference of medians by the machine's slower spells, which span several runs."""
+    state and dtype, run moments apart): the median of the differences, in how many repetitions `first` was
+    slower, and how often a count as far from an even split comes by chance where neither is faster (`sign_p`).
+    Less swayed than a difference of medians by the machine's slower spells, which span several runs."""
     steps: dict[tuple, dict[int, dict[str, float]]] = {}  # (tp, cache, dtype) -> repetition -> format -> step
     for r in rows:
         if r.get("node_load_s") is not None:
@@ -211,8 +213,16 @@ def paired(rows: list[dict], first: str) -> list[str]:
             if diffs:
                 out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: node load step "
                            f"{statistics.median(diffs):+.3f} s by the median of {len(diffs)} paired repetitions, "
-                           f"{first} slower in {sum(d > 0 for d in diffs)} of them")
+                           f"{first} slower in {sum(d > 0 for d in diffs)} of them (sign test p = {sign_p(diffs):.2f})")
     return out
+
+
+def sign_p(diffs: list[float]) -> float:
+    """The two-sided exact sign test of paired differences (ties left out): the chance of a split of signs at
+    least as uneven as this one if each sign were a coin toss. 5 of 7 gives 0.45, 7 of 7 0.016."""
+    n = sum(d != 0 for d in diffs)
+    k = min(sum(d > 0 for d in diffs), sum(d < 0 for d in diffs))
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
 
 
 def compile_raylazy() -> None:
