@@ -110,6 +110,17 @@ class LazyWeight:
     def __len__(self) -> int:
         return self.shape[0]
 
+    # asked on every narrow, select and reshape: answered here, not by a meta tensor (`__getattr__`)
+    @property
+    def ndim(self) -> int:
+        return self._data.ndim if self._data is not None else len(self.lens.dims)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return self._data.numel() if self._data is not None else prod(self.shape)
+
     @property
     def dtype(self) -> torch.dtype:
         if self._data is not None:
@@ -276,7 +287,7 @@ class LazyWeight:
         return self._data
 
     def __getattr__(self, name: str):
-        """What only the shape and dtype say (`size()`, `numel()`, ...) is a meta tensor's answer; any other tensor
+        """What only the shape and dtype say (`size()`, `element_size()`, ...) is a meta tensor's answer; any other tensor
         attribute reads the region; a name tensors lack is an AttributeError (reading nothing)."""
         if name.startswith("_") or not hasattr(torch.Tensor, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -312,8 +323,7 @@ def _materialized(value):
 
 
 #: Tensor methods whose answer only the shape and dtype give (contiguous: whatever it becomes is made so when read).
-_SHAPE_ONLY = frozenset({"size", "dim", "ndim", "numel", "nelement", "element_size", "is_floating_point",
-                         "is_complex", "is_contiguous"})
+_SHAPE_ONLY = frozenset({"size", "nelement", "element_size", "is_floating_point", "is_complex", "is_contiguous"})
 #: torch functions a LazyWeight follows, and its method doing it.
 _FOLLOWED = {f: name for name in ("narrow", "chunk", "split", "unbind", "select", "squeeze", "unsqueeze",
                                   "transpose", "permute", "t", "reshape", "detach", "contiguous", "clone")

@@ -478,6 +478,8 @@ def test_shapes_and_errors_match_torch(llama_dir):
                lambda x: x.reshape(1, *x.shape, 1), lambda x: x[1:2].reshape(-1, x.shape[1]).squeeze(),
                lambda x: x.T.contiguous().permute(1, 0)):
         assert op(w).shape == op(t).shape
+        assert (op(w).ndim, op(w).dim(), op(w).numel(), op(w).size()) == (op(t).ndim, op(t).dim(), op(t).numel(),
+                                                                          op(t).size())
     assert [p.shape for p in w.split([1, w.shape[0] - 1])] == [p.shape for p in t.split([1, t.shape[0] - 1])]
     assert w.dtype == torch.bfloat16 and w.to(torch.float32).dtype == torch.float32 and w.float().ndim == t.ndim
 
