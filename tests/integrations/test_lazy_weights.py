@@ -17,7 +17,7 @@ import torch
 from raylazy.errors import ConfigurationError, FileChangedError
 from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
-from raylazy.integrations.recording import Recording, in_place, wanted
+from raylazy.integrations.recording import Recording, broadcasts_to, in_place, wanted
 from raylazy.integrations.report import LazyStats, fields, summary
 from raylazy.integrations.serving import AtOnce, RegionReader, Serving
 from raylazy.storage import LocalSource, open_checkpoint, verified
@@ -482,6 +482,18 @@ def test_shapes_and_errors_match_torch(llama_dir):
                                                                           op(t).size())
     assert [p.shape for p in w.split([1, w.shape[0] - 1])] == [p.shape for p in t.split([1, t.shape[0] - 1])]
     assert w.dtype == torch.bfloat16 and w.to(torch.float32).dtype == torch.float32 and w.float().ndim == t.ndim
+
+
+@pytest.mark.parametrize("dst, src", [((3,), (1, 3)), ((2, 3), (3,)), ((2, 3), (1, 3)), ((2, 3), (2, 1)),
+                                      ((0, 3), (1, 3)), ((1, 3), (0, 3)), ((5,), (0,)), ((2, 3), (3, 2)),
+                                      ((4, 1, 3), (2, 3)), ((), ()), ((2,), ()), ((), (1,))])
+def test_a_deferred_copy_takes_the_shapes_torchs_copy_takes(dst, src):
+    try:
+        torch.empty(dst).copy_(torch.empty(src))
+        takes = True
+    except RuntimeError:
+        takes = False
+    assert broadcasts_to(src, dst) == takes
 
 
 @pytest.mark.parametrize("options, named", [
