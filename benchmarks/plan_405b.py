@@ -284,8 +284,9 @@ def run(model_dir: str, info: dict, tp: int = 8, runs: int = 5, profile: bool = 
         prof = cProfile.Profile()
         prof.runcall(make_plan, model_dir, tp)
         pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
-    return {"plan_s": plan_s, "plan_cpu_s": plan_cpu, "target_cpu_s": plan_cpu, "header_s": head_s, "pure_plan_s": pure_s, "planning_rchar": planning_rchar,
-            "header_rchar": header_rchar, "expected_rchar": expected_rchar, "plan": plan}
+    return {"plan_s": plan_s, "plan_cpu_s": plan_cpu, "target_cpu_s": plan_cpu, "header_s": head_s,
+            "pure_plan_s": pure_s, "planning_rchar": planning_rchar, "header_rchar": header_rchar,
+            "expected_rchar": expected_rchar, "plan": plan}
 
 
 def parser(doc: str, layers: int, num_files: int) -> argparse.ArgumentParser:
