@@ -15,8 +15,7 @@ processes on one local file system, on the CPU) nothing is read ahead: each regi
 only pass over its bytes, its page faults reading them once for the node (the page cache), as vLLM's own loader
 copies out of its mapping; only regions a view cannot show (sub-byte dtypes) are read in batches. Where the
 checkpoint is in the page cache already, nothing is recorded: `AtOnce` serves the consumer's one run (a load's
-`load_weights`, a reload's weight loaders), each copy made as it is asked: read from the file straight into a
-destination that takes the bytes as they are (its dtype, contiguous rows), else out of the mapping.
+`load_weights`, a reload's weight loaders), each copy straight out of the mapping as it is asked.
 """
 
 from __future__ import annotations
@@ -96,17 +95,6 @@ class RegionReader:
     def mapped_box(self, region: Region) -> torch.Tensor:
         """The region's box as a view of its file's mapping (only for a region `box_mappable` says a view shows)."""
         return mapped_box(self.mapping(region.file), region)
-
-    def copy_out(self, dst: torch.Tensor, view: torch.Tensor, file: int) -> torch.Tensor:
-        """`dst.copy_(view)`, `view` a view of file `file`'s mapping: read straight from the file into `dst` (one
-        preadv: no page of the mapping touched, so none to unmap) where both are contiguous and alike in dtype and
-        shape and `dst` is in CPU memory; else copied out of the mapping, converting as it copies."""
-        if dst.device.type != "cpu" or (dst.dtype, dst.shape) != (view.dtype, view.shape) or not (
-                dst.is_contiguous() and view.is_contiguous() and dst.numel()):
-            return dst.copy_(view)
-        flat = dst.detach().reshape(-1).view(torch.uint8)
-        self.sources([file])[file].readinto(view.data_ptr() - self.mapping(file).data_ptr(), [memoryview(flat.numpy())])
-        return dst
 
     def copies_at_once(self) -> bool:
         """Whether a load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
@@ -436,13 +424,12 @@ class Serving:
 
 
 class AtOnce:
-    """Lazy weights served as the consumer asks, in its one run: a copy goes straight into its destination, read
-    from the file where the destination takes the bytes as they are, else out of the region's file mapping,
-    converting as it copies (`RegionReader.copy_out`); an op raylazy cannot follow gets a copy of the region (read
-    alone where a view cannot show it: sub-byte dtypes). For a checkpoint in the page cache
+    """Lazy weights served as the consumer asks, in its one run: a copy goes out of the region's file mapping
+    straight into its destination (converting as it copies), an op raylazy cannot follow gets a copy of the
+    region (read alone where a view cannot show it: sub-byte dtypes). For a checkpoint in the page cache
     (`RegionReader.copies_at_once`), where nothing is left to read ahead or to share with the node: one pass over
     the bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
-    region (`taken`) and of those ops (`opaque`), and the bytes copied straight into a destination (`in_place`).
+    region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`).
 
     A context manager: leaving it puts those counts in the reader's stats and takes this process's part in its
     load's one gathering (`stand_aside`), only once every copy is made."""
@@ -460,21 +447,19 @@ class AtOnce:
         s.count_opaque(self.opaque)
         stand_aside(self.group)
 
+    def _box(self, region: Region) -> torch.Tensor:
+        return self.reads.mapped_box(region) if box_mappable(region) else self.reads.read_alone(region)
+
     def take(self, region: Region) -> torch.Tensor:
         self.taken[region] += 1
         self.opaque[region] += 1
-        if not box_mappable(region):
-            return self.reads.read_alone(region)
-        box = self.reads.mapped_box(region)  # a consumer may write into what it takes: not into the mapping
-        return self.reads.copy_out(torch.empty(box.shape, dtype=box.dtype), box, region.file)
+        box = self._box(region)  # a consumer may write into what it takes: not into the mapping
+        return box.clone() if box_mappable(region) else box
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
-        region = weight.region
-        self.taken[region] += 1
-        if not box_mappable(region):
-            return Copy(dst, region, weight.lens).do(self.reads.read_alone(region))
-        self.in_place += region.nbytes
-        return self.reads.copy_out(dst, weight.lens.shown(self.reads.mapped_box(region), region.sizes), region.file)
+        self.taken[weight.region] += 1
+        self.in_place += weight.region.nbytes if box_mappable(weight.region) else 0
+        return Copy(dst, weight.region, weight.lens).do(self._box(weight.region))
 
     def drain(self) -> None:
         """Nothing is read ahead: every region was copied as it was asked."""

@@ -22,7 +22,6 @@ from raylazy.integrations.report import LazyStats, fields, summary
 from raylazy.integrations.serving import AtOnce, RegionReader, Serving
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support.checkpoints import build_checkpoint, reference_tensors
-from tests.support.measured import io_delta, proc_io
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 ROW = ("o_proj.weight", "down_proj.weight")
@@ -320,12 +319,10 @@ def test_ops_it_cannot_follow_are_read_at_once_and_counted(llama_dir):
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype):
     """Every file in the page cache (and the options not saying `warm_copies=false` or a `ranged` backend): the
-    consumer's one run copies each region straight into its destination as it asks (`AtOnce`), and leaves what
-    safetensors' tensors cut would; an op it cannot follow gets a copy of its own, which it may write into; each
-    region's takes are counted, and in the reader's stats. Measured (the process's rchar): the run's read calls
-    returned exactly the bytes of the cuts a destination takes as they are (the checkpoint's dtype, contiguous in
-    the tensor) and of the ops' copies; the rest (columns, conversions) came out of the files' mappings. Evicted
-    (posix_fadvise DONTNEED), the checkpoint is no longer in the page cache."""
+    consumer's one run copies each region straight out of the files' mappings as it asks (`AtOnce`), converting
+    as it copies, and leaves what safetensors' tensors cut would; an op it cannot follow gets a copy of its own,
+    which it may write into; each region's takes are counted, and in the reader's stats. Evicted (posix_fadvise
+    DONTNEED), the checkpoint is no longer in the page cache."""
     from benchmarks.loaders.pagecache import evict, warm
 
     ckpt = open_checkpoint(llama_copy)
@@ -346,10 +343,8 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
             assert reads.warm() and not reads.copies_at_once()
     with RegionReader(ckpt, LazyOptions()) as reads:
         assert reads.copies_at_once()
-        before = proc_io()
         with AtOnce(reads) as run:
             consume_and_scale(lazy_weights(ckpt, run))
-        read = io_delta(before, proc_io())["rchar"]
         stats = replace(reads.stats)
         with AtOnce(reads) as again:
             consume(lazy_weights(ckpt, again))  # the same bytes, after the writes into the op's copies
@@ -360,9 +355,6 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
     assert all(not n.any() for n in norms.values()) and len(norms) == len(run.opaque)
     assert {r.tensor.name: r.sizes for r in run.opaque} == {n: (8,) for n in norms}
     assert run.in_place == sum(p.numel() * ref[name].element_size() for name, p in params.items())
-    straight = sum(cuts[n](t).nbytes for n, t in ref.items() if cuts[n](t).is_contiguous() and params[n].dtype == t.dtype)
-    assert read == straight + sum(n.nbytes for n in norms.values()), (read, straight)
-    assert (0 < straight < run.in_place) if dtype is None else straight == 0
     assert not again.opaque and again.taken == run.taken - run.opaque
     assert (stats.regions, stats.bytes_needed, stats.in_place_bytes, stats.opaque_regions) == (
         len(run.taken), sum(r.nbytes for r in run.taken), run.in_place, len(norms))
