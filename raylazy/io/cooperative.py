@@ -364,11 +364,13 @@ def in_page_cache(address: int, length: int) -> bool:
     return not _libc.mincore(address, length, pages) and 0 not in bytes(pages).translate(_IN_CACHE)
 
 
-def cached_share(address: int, length: int, every: int = 2 << 20) -> float:
+def cached_share(address: int, length: int, every: int = 2 << 20, most: int = 64) -> float:
     """The share of a file's mapping from `address` (page-aligned), `length` bytes, in the page cache, by a sample:
-    one page every `every` bytes, and the last (a mincore(2) of one page each; 0 where it fails). A mincore of
-    every page looks each one up: about 25 ms per GB here, against well under 1 ms for the sample."""
-    at = list(range(address, address + length, every)) + [address + length - 1 - (length - 1) % mmap.PAGESIZE]
+    one page every `every` bytes, or `most` pages evenly spread over a larger file, and the last (a mincore(2) of
+    one page each, about 2-3 us; 0 where it fails). A mincore of every page looks each one up: about 25 ms per GB
+    here; a page every 2 MiB, 0.14 s for a 140 GB checkpoint; the sample, at most 65 pages a file."""
+    step = -(-max(every, -(-length // most)) // mmap.PAGESIZE) * mmap.PAGESIZE
+    at = list(range(address, address + length, step)) + [address + length - 1 - (length - 1) % mmap.PAGESIZE]
     page = ctypes.create_string_buffer(1)
     cached = sum(not _libc.mincore(a, 1, page) and page.raw[0] & 1 for a in at)
     return cached / len(at)

@@ -328,18 +328,24 @@ def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds
             assert "raylazy-populate" not in started
 
 
-def test_the_cached_share_is_a_sample_of_what_the_page_cache_holds(tmp_path):
-    """`cached_share` (whether the vLLM format finds a checkpoint in the page cache) samples a page every 2 MiB:
-    evicted, none of a 64 MB file is there; its first half read, about half (and the kernel's read-ahead); read
-    whole, all of it, as a mincore of every page says."""
+def test_the_cached_share_is_a_sample_of_what_the_page_cache_holds(tmp_path, monkeypatch):
+    """`cached_share` (whether the vLLM format finds a checkpoint in the page cache) samples a page every 2 MiB,
+    at most `most` of them and the last (counted: its mincore calls): evicted, none of a 64 MB file is there; its
+    first half read, about half (and the kernel's read-ahead), by 33 pages or by 9; read whole, all of it, as a
+    mincore of every page says."""
+    from raylazy.io import cooperative
     from raylazy.io.cooperative import cached_share, in_page_cache
 
+    calls, mincore = [], cooperative._libc.mincore
+    monkeypatch.setattr(cooperative._libc, "mincore", lambda *a: calls.append(a[1]) or mincore(*a))
     size = 64 << 20
     with _evicted_mapping(tmp_path, size) as (m, path):
-        assert cached_share(m.data_ptr(), size) == 0
+        assert cached_share(m.data_ptr(), size) == 0 and calls == [1] * 33
         with open(path, "rb") as f:
             f.read(size // 2)
+        calls.clear()
         assert 0.45 <= cached_share(m.data_ptr(), size) <= 0.75  # and what the kernel read ahead past it
+        assert 0.4 <= cached_share(m.data_ptr(), size, most=8) <= 0.75 and len(calls) == 33 + 9
         assert not in_page_cache(m.data_ptr(), size)
         path.read_bytes()
         assert cached_share(m.data_ptr(), size) == 1 and in_page_cache(m.data_ptr(), size)
