@@ -36,7 +36,7 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Laz
             loaded, mode, why, takes = _at_once(model, ckpt, reads, group)
         else:
             loaded, mode, why, takes = _recorded(model, ckpt, reads, options, device, group)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.nbytes for p in model.parameters())  # one call through each vLLM parameter's torch function
     seconds, rchar = meter.elapsed()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     logger.info(summary(rank, reads.stats, ckpt.nbytes, params, mode, why, rchar, seconds))
