@@ -118,7 +118,7 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
     except Exception as e:  # noqa: BLE001  (raised below, on every worker)
         error = e
     why = error and f"{type(error).__name__}: {first_line(error)}"
-    told = group.all_gather((why, at_once)) if group else [(why, at_once)]
+    told = group.gather((why, at_once))() if group else [(why, at_once)]
     failed = [(r, m) for r, (m, _) in enumerate(told) if m]
     if failed:
         if reads is not None:

@@ -21,6 +21,7 @@ checkpoint is in the page cache already, nothing is recorded: `AtOnce` serves th
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
 import uuid
@@ -161,8 +162,46 @@ class NodeGroup(Protocol):
     rank: int
     size: int
 
-    def all_gather(self, obj) -> list:
-        """Every process's `obj`, in rank order (a collective: all of them call it)."""
+    def gather(self, obj) -> Callable[[], list]:
+        """Start this process's part in gathering every process's `obj` (a collective: all of them call it, in the
+        same order); the call returned waits for the others and gives their objects, in rank order."""
+
+
+class ProcessGroupNode:
+    """The processes of a torch.distributed CPU (gloo) process group as a `NodeGroup` (vLLM's workers: its world's
+    CPU group). A gathering is one all_gather, started without waiting, of a slot of `INLINE` bytes per process
+    holding its object pickled where it fits (a process copying at once sends None), then, only where one does
+    not fit, a second of every pickle."""
+
+    #: Pickled bytes a slot carries (the size before them: 8 bytes).
+    INLINE = 248
+
+    def __init__(self, rank: int, size: int, group):
+        self.rank, self.size, self._group = rank, size, group
+
+    def gather(self, obj) -> Callable[[], list]:
+        data = pickle.dumps(obj)
+        slot = _bytes(len(data).to_bytes(8, "little") + (data if len(data) <= self.INLINE else b""), 8 + self.INLINE)
+        slots = [torch.empty_like(slot) for _ in range(self.size)]
+        started = torch.distributed.all_gather(slots, slot, group=self._group, async_op=True)
+
+        def wait() -> list:
+            started.wait()
+            sizes = [int.from_bytes(s[:8].numpy().tobytes(), "little") for s in slots]
+            if max(sizes) <= self.INLINE:
+                return [pickle.loads(s[8 : 8 + n].numpy().tobytes()) for s, n in zip(slots, sizes)]
+            whole = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.size)]
+            torch.distributed.all_gather(whole, _bytes(data, max(sizes)), group=self._group)
+            return [pickle.loads(w[:n].numpy().tobytes()) for w, n in zip(whole, sizes)]
+
+        return wait
+
+
+def _bytes(data: bytes, n: int) -> torch.Tensor:
+    """`data` at the start of a zeroed uint8 tensor of `n` bytes."""
+    out = torch.zeros(n, dtype=torch.uint8)
+    out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
 
 
 def node_key() -> str:
@@ -245,7 +284,7 @@ class Serving:
         index = {t.name: i for i, (_, t) in enumerate(tensors)}
         me = _Peer(node_key(), serve_rendezvous("127.0.0.1"), uuid.uuid4().hex,
                    [(index[r.tensor.name], r.starts, r.sizes, held) for r, held in self._held().items()])
-        peers = group.all_gather(me)  # None from a process copying at once (`stand_aside`): not reading with us
+        peers = group.gather(me)()  # None from a process copying at once (`AtOnce`): not reading with us
         here = [i for i, p in enumerate(peers) if p is not None and p.node == me.node]
         backend = backend_for(requested, len(here), self.device, self.reads.files, self.reads.storage)
         if backend != "exchange" or here[0] != group.rank:  # the node meets at its first process's server, if at all
@@ -431,13 +470,19 @@ class AtOnce:
     the bytes, as vLLM's own loader makes over its mapping, and no recording to replay. Counts the takes of each
     region (`taken`) and of those ops (`opaque`), and the bytes copied straight out of a mapping (`in_place`).
 
-    A context manager: leaving it puts those counts in the reader's stats and takes this process's part in its
-    load's one gathering (`stand_aside`), only once every copy is made."""
+    A context manager. This process's part in its load's one gathering (`group`'s) is None: it reads nothing with
+    the others, and those that record plan their node's read without it. Entering starts that part, leaving waits
+    for it, once every copy is made (and puts the counts in the reader's stats): each process of a load gathers
+    once, whichever way it loads, so none has to wait for the others before it starts, and one copying at once
+    waits at the end only for those that record."""
 
     def __init__(self, reads: RegionReader, group: NodeGroup | None = None):
         self.reads, self.group, self.taken, self.opaque, self.in_place = reads, group, Counter(), Counter(), 0
+        self._gathered: Callable[[], list] = list
 
     def __enter__(self) -> AtOnce:
+        if self.group is not None and self.group.size > 1:
+            self._gathered = self.group.gather(None)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -445,7 +490,7 @@ class AtOnce:
         s.backend, s.regions, s.bytes_needed, s.in_place_bytes = ("cooperative", len(self.taken),
                                                                   sum(r.nbytes for r in self.taken), self.in_place)
         s.count_opaque(self.opaque)
-        stand_aside(self.group)
+        self._gathered()
 
     def _box(self, region: Region) -> torch.Tensor:
         return self.reads.mapped_box(region) if box_mappable(region) else self.reads.read_alone(region)
@@ -463,14 +508,6 @@ class AtOnce:
 
     def drain(self) -> None:
         """Nothing is read ahead: every region was copied as it was asked."""
-
-
-def stand_aside(group: NodeGroup | None) -> None:
-    """The part in its load's one gathering of a process that reads nothing with the others (`AtOnce`): those that
-    record plan their node's read without it (`Serving`). Each process of a load gathers once, whichever way it
-    loads, so none has to wait for the others before it starts."""
-    if group is not None and group.size > 1:
-        group.all_gather(None)
 
 
 def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

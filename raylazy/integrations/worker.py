@@ -20,7 +20,7 @@ from .options import LazyOptions
 from .recording import Recording, in_place, overlapping, wanted
 from .reload import keep, weights_for_reload
 from .report import summary
-from .serving import AtOnce, NodeGroup, RegionReader, Serving
+from .serving import AtOnce, NodeGroup, ProcessGroupNode, RegionReader, Serving
 
 logger = init_logger("vllm.raylazy")
 
@@ -93,18 +93,6 @@ def checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
     return open_checkpoint(model, options.reader.storage_options)
 
 
-class _Workers:
-    """vLLM's workers of this engine, over its world group's CPU (gloo) process group."""
-
-    def __init__(self, world):
-        self.rank, self.size, self._group = world.rank_in_group, world.world_size, world.cpu_group
-
-    def all_gather(self, obj) -> list:
-        out = [None] * self.size
-        torch.distributed.all_gather_object(out, obj, group=self._group)
-        return out
-
-
 def _workers() -> NodeGroup | None:
     """The engine's workers, which load at once (None outside an engine, or where vLLM's world also holds other
     engines' workers: data-parallel replicas need not load when this one does)."""
@@ -114,4 +102,6 @@ def _workers() -> NodeGroup | None:
         world, tp, pp = ps.get_world_group(), ps.get_tp_group(), ps.get_pp_group()
     except AssertionError:  # vLLM's groups are not initialised in this process
         return None
-    return _Workers(world) if world.world_size == tp.world_size * pp.world_size else None
+    if world.world_size != tp.world_size * pp.world_size:
+        return None
+    return ProcessGroupNode(world.rank_in_group, world.world_size, world.cpu_group)

@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -19,8 +20,9 @@ from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, broadcasts_to, in_place, wanted
 from raylazy.integrations.report import LazyStats, fields, summary
-from raylazy.integrations.serving import AtOnce, RegionReader, Serving
+from raylazy.integrations.serving import AtOnce, ProcessGroupNode, RegionReader, Serving
 from raylazy.storage import LocalSource, open_checkpoint, verified
+from tests.support import RANK_PROCESSES
 from tests.support.checkpoints import build_checkpoint, reference_tensors
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
@@ -167,20 +169,60 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
 
 
 class _Threads:
-    """A node's `size` processes as threads of this one (`member(rank)`: a `NodeGroup`), all_gather over a barrier."""
+    """A node's `size` processes as threads of this one (`member(rank)`: a `NodeGroup`), gathering over a barrier."""
 
     def __init__(self, size: int):
         self.size, self._got, self._barrier = size, [None] * size, threading.Barrier(size, timeout=60)
 
-    def all_gather(self, rank: int, obj) -> list:
+    def gather(self, rank: int, obj):
         self._got[rank] = obj
-        self._barrier.wait()
-        out = list(self._got)
-        self._barrier.wait()
-        return out
+
+        def wait() -> list:
+            self._barrier.wait()
+            out = list(self._got)
+            self._barrier.wait()
+            return out
+
+        return wait
 
     def member(self, rank: int) -> SimpleNamespace:
-        return SimpleNamespace(rank=rank, size=self.size, all_gather=functools.partial(self.all_gather, rank))
+        return SimpleNamespace(rank=rank, size=self.size, gather=functools.partial(self.gather, rank))
+
+
+def _gloo_member(rank: int, rendezvous: str, queue) -> None:
+    """One of two processes gathering over gloo (`ProcessGroupNode`): rank 0 starts its part (None) and waits for
+    it only after 0.5 s of other work, as a worker copying at once does; rank 1 gathers an object too large for a
+    slot at once; then both gather a small one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        node = ProcessGroupNode(rank, 2, dist.group.WORLD)
+        if rank == 0:
+            gathered = node.gather(None)
+            time.sleep(0.5)
+            first = gathered()
+        else:
+            first = node.gather(list(range(1000)))()
+        queue.put((rank, first, node.gather(("small", rank))()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_gathers_what_each_process_sends(tmp_path):
+    """Two processes over gloo, as vLLM's workers gather: one starts its part early and waits late, the other
+    sends more than a slot holds (a second all_gather), then both send small objects (one): each gets every
+    process's object, in rank order."""
+    queue = RANK_PROCESSES.Queue()
+    procs = [RANK_PROCESSES.Process(target=_gloo_member, args=(r, str(tmp_path / "rendezvous"), queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict((rank, rest) for rank, *rest in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank in (0, 1):
+        assert got[rank] == [[None, list(range(1000))], [("small", 0), ("small", 1)]]
 
 
 @pytest.mark.parametrize("replay", [True, False])
@@ -369,7 +411,7 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
 
 def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
     """Two workers of one node (threads): one copies at once out of the page cache (`AtOnce`) and joins the load's
-    gathering when done (`stand_aside`); the other records and plans its read without it, alone on the node.
+    gathering when done (`AtOnce`); the other records and plans its read without it, alone on the node.
     Both end with safetensors' cut of every tensor."""
     from benchmarks.loaders.pagecache import warm
 
