@@ -169,9 +169,9 @@ class NodeGroup(Protocol):
 
 class ProcessGroupNode:
     """The processes of a torch.distributed CPU (gloo) process group as a `NodeGroup` (vLLM's workers: its world's
-    CPU group). A gathering is one all_gather, started without waiting, of a slot of `INLINE` bytes per process
-    holding its object pickled where it fits (a process copying at once sends None), then, only where one does
-    not fit, a second of every pickle."""
+    CPU group). A gathering is one all_gather, started without waiting, of a 256-byte slot per process: the size
+    of its object pickled, then the pickle where it fits (a process copying at once sends None), and, only where
+    one does not fit, a second all_gather of every pickle."""
 
     #: Pickled bytes a slot carries (the size before them: 8 bytes).
     INLINE = 248

@@ -217,7 +217,7 @@ def test_a_process_group_gathers_what_each_process_sends(tmp_path):
     procs = [RANK_PROCESSES.Process(target=_gloo_member, args=(r, str(tmp_path / "rendezvous"), queue)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict((rank, rest) for rank, *rest in (queue.get(timeout=120) for _ in procs))
+    got = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(30)
     assert [p.exitcode for p in procs] == [0, 0]
@@ -410,8 +410,9 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
 
 
 def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
-    """Two workers of one node (threads): one copies at once out of the page cache (`AtOnce`) and joins the load's
-    gathering when done (`AtOnce`); the other records and plans its read without it, alone on the node.
+    """Two workers of one node (threads): one copies at once out of the page cache (`AtOnce`), its part in the
+    load's gathering started before its run and waited for when done; the other records and plans its read
+    without it, alone on the node.
     Both end with safetensors' cut of every tensor."""
     from benchmarks.loaders.pagecache import warm
 
