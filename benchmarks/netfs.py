@@ -296,6 +296,16 @@ def mounted(path: str) -> bool:
         return any(line.split()[4].replace("\\040", " ") == path for line in f)
 
 
+def _running(mountpoint: str) -> list:
+    """Processes still running whose command line names `mountpoint`: libfuse's auto_unmount helper (fusermount3)
+    unmounts after the server ends, then exits. Zombies have ended: the helper's parent, once the server is gone,
+    is the machine's init, which reaps it when it will."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline", "status"])
+            if mountpoint in " ".join(p.info["cmdline"] or ()) and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
 class NetFS:
     """`source` mounted at a new temporary directory by a server process of its own (see the module docstring)."""
 
@@ -392,7 +402,7 @@ class NetFS:
             proc.kill()
             proc.wait()
         for _ in range(100):  # auto_unmount's helper may still hold the mount for a moment after the server ends
-            if not mounted(self.mountpoint):
+            if not mounted(self.mountpoint) and not _running(self.mountpoint):
                 break
             time.sleep(0.05)
         try:
@@ -430,4 +440,3 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
-
