@@ -188,10 +188,11 @@ class ProcessGroupNode:
         def wait() -> list:
             started.wait()
             sizes = [int.from_bytes(s[:8].numpy().tobytes(), "little") for s in slots]
-            if max(sizes) <= self.INLINE:
+            largest = max(sizes)
+            if largest <= self.INLINE:
                 return [pickle.loads(s[8 : 8 + n].numpy().tobytes()) for s, n in zip(slots, sizes)]
-            whole = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.size)]
-            torch.distributed.all_gather(whole, _bytes(data, max(sizes)), group=self._group)
+            whole = [torch.empty(largest, dtype=torch.uint8) for _ in range(self.size)]
+            torch.distributed.all_gather(whole, _bytes(data, largest), group=self._group)
             return [pickle.loads(w[:n].numpy().tobytes()) for w, n in zip(whole, sizes)]
 
         return wait

@@ -369,7 +369,8 @@ def cached_share(address: int, length: int, every: int = 2 << 20, most: int = 64
     one page every `every` bytes, or `most` pages evenly spread over a larger file, and the last (a mincore(2) of
     one page each, about 2-3 us; 0 where it fails). A mincore of every page looks each one up: about 25 ms per GB
     here; a page every 2 MiB, 0.14 s for a 140 GB checkpoint; the sample, at most 65 pages a file."""
-    step = -(-max(every, -(-length // most)) // mmap.PAGESIZE) * mmap.PAGESIZE
+    step = max(every, -(-length // most))
+    step += -step % mmap.PAGESIZE  # whole pages: mincore takes page-aligned addresses
     at = list(range(address, address + length, step)) + [address + length - 1 - (length - 1) % mmap.PAGESIZE]
     page = ctypes.create_string_buffer(1)
     cached = sum(not _libc.mincore(a, 1, page) and page.raw[0] & 1 for a in at)
