@@ -35,7 +35,9 @@ def worker_config(cpus: int | None = None) -> dict:
 
 def ensure_ray() -> bool:
     """Use the Ray this process has initialised, else the cluster RAY_ADDRESS names, else start a local Ray of
-    our own (never joining a cluster by guessing), with `worker_config`: its workers import `PRELOAD` as they start.
+    our own (never joining a cluster by guessing), with `worker_config` (its workers import `PRELOAD` as they
+    start) and without the dashboard: its processes would start beside the ranks' for a Ray that lives as long as
+    this process (about 1 s of a 2-core machine's quick start), and Ray's shutdown kills them before they clean up.
     Returns True when the Ray in use is a local one that raylazy started: its CPUs are then ours to share among
     the ranks."""
     global _started_gcs
@@ -43,7 +45,7 @@ def ensure_ray() -> bool:
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or "local"
-        starting = {"_system_config": worker_config()} if address == "local" else {}
+        starting = {"_system_config": worker_config(), "include_dashboard": False} if address == "local" else {}
         ray.init(address=address, logging_level=logging.WARNING, **starting)
         if address == "local":
             _started_gcs = ray.get_runtime_context().gcs_address

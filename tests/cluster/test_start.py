@@ -1,6 +1,6 @@
 """A load's start: the Ray raylazy starts itself has its workers import torch and raylazy's readers as they start
-(`raylazy.cluster.bundles.PRELOAD`), the driver imports no torch to start the ranks, and a load's end-to-end seconds
-split into its steps (`LoadedModel.phases`)."""
+(`raylazy.cluster.bundles.PRELOAD`) and no dashboard, the driver imports no torch to start the ranks, and a load's
+end-to-end seconds split into its steps (`LoadedModel.phases`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tests.support import REPO
 #: Run in a process of its own (its own local Ray, started by raylazy): what a fresh worker has imported before
 #: running anything (the function is pickled by value: the worker imports nothing of this script's); whether two
 #: ranks reserving every CPU take the workers Ray started ahead (Ray's default ends idle workers beyond the CPUs
-#: left free); and whether the driver imported torch to start them (Ray's tensor transports would, registered at
-#: the actors' creation).
+#: left free); whether the driver imported torch to start them (Ray's tensor transports would, registered at
+#: the actors' creation); and whether Ray's dashboard runs (it should not: `ensure_ray`).
 PROBE = """
 import json, sys, time, psutil, ray
 from raylazy.cluster.bundles import ensure_ray
@@ -27,6 +27,10 @@ from raylazy.cluster.group import Deadline, RankGroup
 def imported():
     import sys
     return {m: m in sys.modules for m in ("torch", "raylazy.io.backends")}
+
+def dashboard():  # Ray starts its dashboard's process either way, without its front end or its modules when told
+    return any("dashboard.py" in c and "--disable-frontend" not in c
+               for c in (" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)))
 
 def idle_with_torch():
     pids = set()
@@ -50,7 +54,7 @@ group.wait_placed(120)
 ranks = group.refresh(Deadline(120))
 worker = ray.get(ray.remote(num_cpus=0)(imported).remote(), timeout=120)  # after: a worker that ran a task takes no actor
 print(json.dumps({"worker": worker, "ranks on workers started ahead": sum(r.pid in ahead for r in ranks),
-                  "driver has torch": "torch" in sys.modules}))
+                  "driver has torch": "torch" in sys.modules, "dashboard": dashboard()}))
 group.release()
 ray.shutdown()
 """
@@ -64,7 +68,7 @@ def test_the_ray_raylazy_starts_has_ranks_on_workers_that_imported_torch_not_the
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "worker": {"torch": True, "raylazy.io.backends": True}, "ranks on workers started ahead": 2,
-        "driver has torch": False}
+        "driver has torch": False, "dashboard": False}
 
 
 @pytest.mark.ray
