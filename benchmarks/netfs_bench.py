@@ -42,7 +42,7 @@ LOADERS = ("raw", "naive", "ranged", "cooperative", "raylazy")
 _FORK = multiprocessing.get_context("fork")
 
 
-def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, reader) -> None:
+def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, meet: str, reader) -> None:
     from raylazy.core.schedule import NodeRead
     from raylazy.io.backends import NODE_BACKENDS, node_read, read_rank
     from raylazy.io.collective import meet_through
@@ -58,20 +58,19 @@ def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, r
         read_rank_cooperative(rp, "cpu", node_read=NodeRead(plan.node_of(rank), load_id=load_id))
     else:  # as raylazy.load reads: options shaped for the storage, the backend chosen for it
         together = reader.backend in NODE_BACKENDS
-        address = meet_through(os.path.join(tempfile.gettempdir(), load_id), rank, 60.0) \
-            if reader.backend == "exchange" else ""
+        address = meet_through(meet, rank, 60.0) if reader.backend == "exchange" else ""
         read_rank(rp, "cpu", options=reader,
                   node_read=node_read(reader.backend, plan, plan.node_of(rank), load_id, address) if together else None)
 
 
-def _rank(loader, plan, rank, files, load_id, reader, go, done) -> None:
+def _rank(loader, plan, rank, files, load_id, meet, reader, go, done) -> None:
     import torch
 
     torch.set_num_threads(1)
     go.wait()
     t = time.perf_counter()
     try:
-        _load(loader, torch, plan, rank, files, load_id, reader)
+        _load(loader, torch, plan, rank, files, load_id, meet, reader)
         done.put((rank, time.perf_counter() - t, None))
     except BaseException as e:  # noqa: BLE001  (reported in the table)
         done.put((rank, time.perf_counter() - t, f"{type(e).__name__}: {e}".splitlines()[0][:80]))
@@ -86,7 +85,8 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
     from raylazy.io.backends import rank_reader
     from raylazy.storage import storage_for
 
-    with PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"].mount(model_dir) as fs:
+    with PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"].mount(model_dir) as fs, \
+            tempfile.TemporaryDirectory(prefix="raylazy-netfs-meet-") as meeting:
         plan = raylazy.plan(fs.mountpoint, tp=tp)
         reader = rank_reader(ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root, plan.storage)), tp, "cpu",
                              plan.files, plan.storage)
@@ -95,7 +95,9 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
         fs.reset()  # planning's header reads are not the load's
         go, done = _FORK.Event(), _FORK.Queue()
         load_id = f"netfsbench{os.getpid()}x{time.monotonic_ns()}"
-        procs = [_FORK.Process(target=_rank, args=(loader, plan, r, files, load_id, reader, go, done)) for r in range(tp)]
+        meet = os.path.join(meeting, "address")  # where an exchange's local rank 0 names its address
+        procs = [_FORK.Process(target=_rank, args=(loader, plan, r, files, load_id, meet, reader, go, done))
+                 for r in range(tp)]
         for p in procs:
             p.start()
         time.sleep(0.5)  # every rank forked and waiting

@@ -45,6 +45,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -147,12 +148,8 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     prepare(files, cache)
     disk0 = device.settled_reads() if device.name else None
     refaulted0 = refaulted_bytes()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **{STEPS: "1"})
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if tp > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec, "--tp", str(tp),
-                           "--model", model, "--served", dtype], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    done = run_engine([os.path.abspath(__file__), "--one", spec, "--tp", str(tp), "--model", model, "--served", dtype],
+                      tp, {STEPS: "1"})
     disk = device.settled_reads() - disk0 if disk0 else None
     refaulted = refaulted_bytes() - refaulted0
     row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype)}
@@ -167,6 +164,20 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
             "node_load_s": max(b for _, b in steps) - min(a for a, _ in steps) if steps else None,
             "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None,
             "refaulted_bytes": refaulted}
+
+
+def run_engine(args: list[str], tp: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """This python run on `args` with `env` added, as the vLLM benchmarks run an engine: in the process that makes
+    it, 1 GiB of KV cache and each of its `tp` workers bound to a core of its own, unless the environment says
+    otherwise; its ZeroMQ sockets, which vLLM leaves behind, in a temporary directory removed after."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    with tempfile.TemporaryDirectory(prefix="raylazy-vllm-sockets-") as sockets:
+        env.setdefault("VLLM_RPC_BASE_PATH", sockets)
+        return subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env)
 
 
 def table(rows: list[dict]) -> list[str]:

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
-from benchmarks.vllm_load import SHAPES, compile_raylazy, measure, prepare, run_options  # noqa: E402
+from benchmarks.vllm_load import SHAPES, compile_raylazy, measure, prepare, run_engine, run_options  # noqa: E402
 
 
 def worker_io(worker) -> dict:
@@ -65,13 +64,8 @@ WHAT = ("raylazy", "auto", "fresh")
 
 
 def reload_run(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if tp > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", fmt, "--tp", str(tp), "--cache", cache,
-                           "--model", step0, "--step", step1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=env)
+    done = run_engine([os.path.abspath(__file__), "--one", fmt, "--tp", str(tp), "--cache", cache, "--model", step0,
+                       "--step", step1], tp)
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     return result if result is not None else {"error": done.stdout.strip().splitlines()[-1][-200:]}
 

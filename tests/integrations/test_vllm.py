@@ -33,6 +33,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -89,8 +91,11 @@ def _step(cmd: list, what: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_python() -> str:
-    """The cached vLLM virtualenv's python, with this checkout's raylazy installed (its entry point)."""
+def vllm_python() -> Iterator[str]:
+    """The cached vLLM virtualenv's python, with this checkout's raylazy installed (its entry point). For the
+    session, the vLLM processes the tests start bind their ZeroMQ sockets, which vLLM leaves behind (a dozen an
+    engine), in a directory of the session's (VLLM_RPC_BASE_PATH, else the system's temporary directory), removed
+    at its end."""
     root = _venv_dir()
     python = root / "bin" / "python"
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +111,9 @@ def vllm_python() -> str:
         # This checkout's package metadata (the entry point); the code itself comes from PYTHONPATH.
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-e", REPO], check=True,
                        capture_output=True, timeout=600)
-    return str(python)
+    with tempfile.TemporaryDirectory(prefix="raylazy-vllm-sockets-") as sockets, pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_RPC_BASE_PATH", sockets)
+        yield str(python)
 
 
 @pytest.fixture(scope="session")
