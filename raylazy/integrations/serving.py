@@ -237,8 +237,8 @@ class Serving:
     fully taken unless a take waits for a later one, and hands them out (`take`, `copy_into`, `replay`). `group`:
     the processes loading the checkpoint at once (making a Serving is then a collective). `ordered`: the takes
     come in batch order (a `replay` of copies no two of whose destinations overlap), so a batch's regions may be
-    read into a reused buffer once the batch `batches_ahead + 1` before it was taken. Use as a context manager:
-    leaving it stops the reader."""
+    read into a reused buffer once every copy out of the batch `batches_ahead + 1` before it is done. Use as a
+    context manager: leaving it stops the reader."""
 
     def __init__(self, reads: RegionReader, takes: dict[Region, int], out: dict[Region, torch.Tensor] | None = None,
                  group: NodeGroup | None = None, device: str | torch.device = "cpu", ordered: bool = False):
@@ -445,11 +445,24 @@ class Serving:
         self._left[region] -= 1
         if self._left[region]:
             return self._ready[region]
+        if self._ring is None:  # its memory is the taker's: nothing else is read into it
+            self._taken_all(b)
+        return self._ready.pop(region)
+
+    def _taken_all(self, b: int) -> None:
+        """One more of batch b's regions was taken for the last time (called holding the lock)."""
         self._batches[b].left -= 1
         if not self._batches[b].left:
             self._taken += 1
             self._cond.notify_all()
-        return self._ready.pop(region)
+
+    def _copied_from(self, region: Region) -> None:
+        """A copy out of `region` is done: in ordered takes, once its last take's copy is, its ring buffer may be
+        read into again (not before: the copy reads it)."""
+        b = self._batch_of.get(region)
+        if self._ring is not None and b is not None and not self._left[region]:
+            with self._cond:
+                self._taken_all(b)
 
     def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
         return Copy(dst, weight.region, weight.lens).do(self.box(weight.region))
@@ -461,6 +474,7 @@ class Serving:
             copies = sorted(copies, key=lambda c: (self._batch_of.get(c.region, -1), c.region.order))
         for c in copies:
             c.do(self.box(c.region))
+            self._copied_from(c.region)
 
 
 class AtOnce:

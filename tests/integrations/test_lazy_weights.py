@@ -156,9 +156,10 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
     consume, params, cuts = tp_consumer(1, 2, dtype)
     buffers = set()
 
-    def spy(serving):
+    def spy(serving):  # each take's copy starts late: the reader has time to reuse a buffer too early
         take = serving.take
-        serving.take = lambda region: buffers.add((t := take(region)).untyped_storage().data_ptr()) or t
+        serving.take = lambda region: buffers.add((t := take(region)).untyped_storage().data_ptr()) \
+            or time.sleep(0.01) or t
 
     rec, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, batches_ahead=1, backend="ranged")),
                       watch=lambda: params, ordered=True, spy=spy)
