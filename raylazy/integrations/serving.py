@@ -458,9 +458,12 @@ class Serving:
 
     def _copied_from(self, region: Region) -> None:
         """A copy out of `region` is done: in ordered takes, once its last take's copy is, its ring buffer may be
-        read into again (not before: the copy reads it)."""
+        read into again (not before: the copy reads it). On a GPU the copies are only queued on this thread's
+        stream, and the reader writes on a stream of its own: the batch's last one waits for them."""
         b = self._batch_of.get(region)
         if self._ring is not None and b is not None and not self._left[region]:
+            if self._batches[b].left == 1 and torch.device(self.device).type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
             with self._cond:
                 self._taken_all(b)
 
