@@ -106,7 +106,8 @@ class SeaweedFS:
                 "-master.telemetry=false", "-volume.preStopSeconds=0", "-volume.max=0",
                 "-master.volumeSizeLimitMB=256"]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDENTIALS["access_key_id"],  # the one (admin) identity
-                   AWS_SECRET_ACCESS_KEY=CREDENTIALS["secret_access_key"])
+                   AWS_SECRET_ACCESS_KEY=CREDENTIALS["secret_access_key"],
+                   TMPDIR=self.dir)  # its logs (weed.*.log.*) go to the temporary directory: into its own, removed
         with open(os.path.join(self.dir, "log"), "ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=self.dir, preexec_fn=_die_with_parent)

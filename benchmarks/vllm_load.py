@@ -169,13 +169,14 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
 def run_engine(args: list[str], tp: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """This python run on `args` with `env` added, as the vLLM benchmarks run an engine: in the process that makes
     it, 1 GiB of KV cache and each of its `tp` workers bound to a core of its own, unless the environment says
-    otherwise; its ZeroMQ sockets, which vLLM leaves behind, in a temporary directory removed after."""
+    otherwise; with a temporary directory of its own (TMPDIR), removed after: vLLM leaves its engines' ZeroMQ
+    sockets and its workers' file stores there."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    with tempfile.TemporaryDirectory(prefix="raylazy-vllm-sockets-") as sockets:
-        env.setdefault("VLLM_RPC_BASE_PATH", sockets)
+    with tempfile.TemporaryDirectory(prefix="raylazy-vllm-") as tmp:
+        env["TMPDIR"] = tmp
         return subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env)
 
