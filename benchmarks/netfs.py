@@ -296,7 +296,7 @@ def mounted(path: str) -> bool:
         return any(line.split()[4].replace("\\040", " ") == path for line in f)
 
 
-def _running(mountpoint: str) -> list:
+def running(mountpoint: str) -> list:
     """Processes still running whose command line names `mountpoint`: libfuse's auto_unmount helper (fusermount3)
     unmounts after the server ends, then exits. Zombies have ended: the helper's parent, once the server is gone,
     is the machine's init, which reaps it when it will."""
@@ -402,7 +402,7 @@ class NetFS:
             proc.kill()
             proc.wait()
         for _ in range(100):  # auto_unmount's helper may still hold the mount for a moment after the server ends
-            if not mounted(self.mountpoint) and not _running(self.mountpoint):
+            if not mounted(self.mountpoint) and not running(self.mountpoint):
                 break
             time.sleep(0.05)
         try:

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 
 from tests.support.checkpoints import MODEL_FIXTURES, build_checkpoint, shard_files
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_tmpdir():
+    """The processes the tests start get a temporary directory of the session's (TMPDIR), removed at its end: what
+    other programs leave in theirs goes with it (vLLM's engines' sockets and file stores, the forkserver directory
+    of a Ray dashboard killed with its cluster, torchrun's agent's). Short, as unix sockets' paths under it must be
+    (Ray's). This process's own (`tempfile`'s, pytest's) stays the system's."""
+    tempfile.gettempdir()  # read now, and kept for this process
+    with tempfile.TemporaryDirectory(prefix="rlt") as tmp, pytest.MonkeyPatch.context() as env:
+        env.setenv("TMPDIR", tmp)
+        yield tmp
 
 
 def _build(tmp_path_factory, kind: str) -> str:

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 
@@ -135,11 +134,7 @@ def node_loss(llama_dir, tmp_path_factory) -> dict:
     # Ray's metrics off: after these scenarios, the child's ray.shutdown() waited 15-17 s in the shutdown of Ray's
     # OpenTelemetry metric recorder (py-spy), 0.4 s without it; nothing here reads a metric
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_enable_open_telemetry": "0"}
-    # TMPDIR: what the cluster's processes leave in the temporary directory (its dashboard's, killed) is removed
-    # after; short, as a unix socket's path must be
-    with tempfile.TemporaryDirectory(prefix="rln", dir="/tmp") as tmp:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=540, cwd=REPO,
-                              env=env | {"TMPDIR": tmp})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=540, cwd=REPO, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"node-loss run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1][len("RESULT "):])

@@ -130,9 +130,7 @@ def hf_tp(request, tmp_path_factory):
 
     root, out = tmp_path_factory.mktemp("declared"), tmp_path_factory.mktemp("hf_tp")
     dirs = {a: write_checkpoint(a, str(root)) for a in _selected(request.config)}
-    # TMPDIR: torchrun's agent leaves its torchelastic_* directory in the temporary directory
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path),
-               TMPDIR=str(tmp_path_factory.mktemp("torchrun")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TP}",
                            os.path.join(REPO, "tests", "support", "hf_tp_worker.py"), "--out", str(out), *dirs.values()],
                           capture_output=True, text=True, env=env, timeout=900)

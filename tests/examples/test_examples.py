@@ -90,9 +90,8 @@ class HeadNode:
         self.temp_dir = tempfile.mkdtemp(prefix="rlj", dir="/tmp")  # short: socket paths live under it
         self.port = _free_port(6379)
         self.dashboard_port = _free_port(8265)
-        # TMPDIR: what its processes leave in the temporary directory (its dashboard's, killed) goes with it
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}", "TMPDIR": self.temp_dir}
+                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
         self.env.pop("RAY_ADDRESS", None)
         # the job's `python` is this interpreter, as in the docs' activated virtualenv (not whatever PATH has)
         self.env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + self.env.get("PATH", "")
@@ -187,11 +186,7 @@ def test_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLAZY_NB_TP", "2")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     nb = nbformat.read(os.path.join(EXAMPLES, "io_plan.ipynb"), as_version=4)
-    # the kernel's TMPDIR: what its Ray leaves in the temporary directory (its dashboard's, killed with the kernel)
-    # is removed after; short, as its unix sockets' paths must be
-    with tempfile.TemporaryDirectory(prefix="rnb", dir="/tmp") as tmp:
-        monkeypatch.setenv("TMPDIR", tmp)
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": EXAMPLES}}).execute()
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": EXAMPLES}}).execute()
 
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]

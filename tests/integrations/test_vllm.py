@@ -33,8 +33,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,11 +89,8 @@ def _step(cmd: list, what: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_python() -> Iterator[str]:
-    """The cached vLLM virtualenv's python, with this checkout's raylazy installed (its entry point). For the
-    session, the processes the tests start have a temporary directory of the session's (TMPDIR), removed at its
-    end: vLLM leaves its engines' ZeroMQ sockets (a dozen an engine) and its workers' file stores there. Short, as
-    unix sockets' paths must be (Ray's too, where a later test of the session starts one)."""
+def vllm_python() -> str:
+    """The cached vLLM virtualenv's python, with this checkout's raylazy installed (its entry point)."""
     root = _venv_dir()
     python = root / "bin" / "python"
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -111,9 +106,7 @@ def vllm_python() -> Iterator[str]:
         # This checkout's package metadata (the entry point); the code itself comes from PYTHONPATH.
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-e", REPO], check=True,
                        capture_output=True, timeout=600)
-    with tempfile.TemporaryDirectory(prefix="rlv") as tmp, pytest.MonkeyPatch.context() as env:
-        env.setenv("TMPDIR", tmp)
-        yield str(python)
+    return str(python)
 
 
 @pytest.fixture(scope="session")
