@@ -9,7 +9,10 @@ Before the runs, raylazy's modules are compiled to bytecode, as pip installs the
 repetition, for each tp and cache state, every format in turn, in reverse order every other repetition (A B C C B A
 A B C ...), so drift on a shared machine spreads over all formats alike and none always runs first. Each run is a
 fresh process (`--one`). Before it, the parent makes the cache state (cold: the checkpoint's pages evicted with
-posix_fadvise DONTNEED; warm: the files read once) and reads the device's counters (/proc/diskstats). The child
+posix_fadvise DONTNEED; warm: the files in the page cache and held there until the run ends, mapped and locked:
+benchmarks/loaders/pagecache.py's `held`; without it, a proactive reclaim such as the DAMON pageout some virtual
+machines run takes pages the ~20 s engine start leaves idle, and the step's faults read them back, some runs far
+more than others) and reads the device's counters (/proc/diskstats). The child
 imports vLLM, then times `LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache,
 one greedy token), and sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every
 worker's weight-loading step (its loader's `load_weights`, whatever the format) is timed alike: the child and the
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import contextlib
 import importlib.util
 import json
 import math
@@ -54,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device, refaulted_bytes  # noqa: E402
 from benchmarks.loaders.impls import proc_io  # noqa: E402
-from benchmarks.loaders.pagecache import evict  # noqa: E402
+from benchmarks.loaders.pagecache import evict, held  # noqa: E402
 from raylazy.integrations.report import fields  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
@@ -130,28 +134,29 @@ if os.environ.get(STEPS):  # a child, and each vLLM worker it spawns (they impor
     time_load_steps()
 
 
-def prepare(files: list[str], cache: str) -> None:
-    """Make the cache state: cold (the files' pages evicted) or warm (the files read once)."""
+@contextlib.contextmanager
+def prepare(files: list[str], cache: str):
+    """Make the cache state for the block: cold (the files' pages evicted) or warm (the files in the page cache, held
+    there until the block ends: `held`)."""
     if cache == "cold":
         left = evict(files)
         if left:
             print(f"warning: {left} bytes of the checkpoint stayed in the page cache", file=sys.stderr)
+        yield
         return
-    for path in files:
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
+    with held(files):
+        yield
 
 
 def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Device) -> dict:
     files = checkpoint_files(model)
-    prepare(files, cache)
-    disk0 = device.settled_reads() if device.name else None
-    refaulted0 = refaulted_bytes()
-    done = run_engine([os.path.abspath(__file__), "--one", spec, "--tp", str(tp), "--model", model, "--served", dtype],
-                      tp, {STEPS: "1"})
-    disk = device.settled_reads() - disk0 if disk0 else None
-    refaulted = refaulted_bytes() - refaulted0
+    with prepare(files, cache):
+        disk0 = device.settled_reads() if device.name else None
+        refaulted0 = refaulted_bytes()
+        done = run_engine([os.path.abspath(__file__), "--one", spec, "--tp", str(tp), "--model", model,
+                           "--served", dtype], tp, {STEPS: "1"})
+        disk = device.settled_reads() - disk0 if disk0 else None
+        refaulted = refaulted_bytes() - refaulted0
     row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype)}
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if done.returncode or result is None:

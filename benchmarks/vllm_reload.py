@@ -9,8 +9,8 @@ raylazy's modules are compiled to bytecode first (benchmarks/vllm_load.py's `com
 each tp and cache state, runs in turn (A B C A B C ...): `raylazy` and `auto` (a fresh process starts an engine with
 that format on the checkpoint, the parent's copy "step 0", then makes the cache state of "step 1", a copy of it in
 another directory, and reloads from it) and `fresh` (benchmarks/vllm_load.py's engine start, on vLLM's default
-loader, to the first token; `--what raylazy auto` leaves it out). Cold: step 1's pages evicted; warm: its files read
-once. Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it, the
+loader, to the first token; `--what raylazy auto` leaves it out). Cold: step 1's pages evicted; warm: its files in the
+page cache and held there through the reload (benchmarks/loaders/pagecache.py's `held`). Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it, the
 bytes it made the storage read (read_bytes; the most one worker read, and the workers' sum: the node's) and those
 its read calls returned (rchar: not the pages a memory map or the cooperative reader's shared copies take); and what
 /proc/diskstats saw the checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's
@@ -45,14 +45,14 @@ def one(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
 
     llm = LLM(model=step0, load_format=fmt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1)
-    prepare(checkpoint_files(step1), cache)
     device = Device(checkpoint_files(step1))
-    disk0, before = device.settled_reads() if device.name else None, llm.collective_rpc(worker_io)
-    t0 = time.perf_counter()
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": step1, "is_checkpoint_format": True})
-    seconds = time.perf_counter() - t0
-    after = llm.collective_rpc(worker_io)
-    disk = device.settled_reads() - disk0 if disk0 else None
+    with prepare(checkpoint_files(step1), cache):
+        disk0, before = device.settled_reads() if device.name else None, llm.collective_rpc(worker_io)
+        t0 = time.perf_counter()
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": step1, "is_checkpoint_format": True})
+        seconds = time.perf_counter() - t0
+        after = llm.collective_rpc(worker_io)
+        disk = device.settled_reads() - disk0 if disk0 else None
     llm.llm_engine.engine_core.shutdown()
     got = {k: [a[k] - b[k] for a, b in zip(after, before)] for k in ("rchar", "read_bytes")}
     return {"reload_s": seconds, "disk_bytes": disk.bytes if disk else None,

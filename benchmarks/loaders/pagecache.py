@@ -1,16 +1,21 @@
-"""Page-cache control for cold and warm runs: evict a file's pages, count resident ones, pull them in.
+"""Page-cache control for cold and warm runs: evict a file's pages, count resident ones, pull them in, hold them.
 
 Eviction is `posix_fadvise(POSIX_FADV_DONTNEED)`, which drops a file's clean,
 unmapped pages (no `drop_caches`: other processes' caches stay). Residency is
 `mincore(2)` on a fresh PROT_READ mapping of the file, which faults nothing in.
+Holding is `mlock(2)` on such a mapping: a proactive reclaim (DAMON's pageout,
+which some virtual machines run) takes idle pages of a cached file within
+seconds, and a run that starts later would read them back one fault at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
+import sys
 import time
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -20,6 +25,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
 
 
@@ -83,3 +89,29 @@ def warm(paths: list[str]) -> int:
         finally:
             os.close(fd)
     return resident(paths)
+
+
+@contextlib.contextmanager
+def held(paths: list[str]):
+    """The files in the page cache, read where they are not, and held there until the block ends: each mapped and
+    locked (mlock, which reads what is missing). Where locking is refused (RLIMIT_MEMLOCK, not root) or a file
+    cannot be mapped, it is read once instead, with a warning: cached only as long as nothing reclaims it."""
+    maps: list[tuple[int, int]] = []
+    try:
+        for p in paths:
+            size = os.path.getsize(p)
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0) if size else None
+            finally:
+                os.close(fd)
+            if addr not in (None, _MAP_FAILED):
+                maps.append((addr, size))
+            if size and (addr in (None, _MAP_FAILED) or _libc.mlock(addr, size) != 0):
+                print(f"warning: cannot hold {p} in the page cache ({os.strerror(ctypes.get_errno())}): read once "
+                      "instead, and a reclaim may take pages before the run uses them", file=sys.stderr)
+                warm([p])
+        yield
+    finally:
+        for addr, size in maps:
+            _libc.munmap(addr, size)  # unlocks

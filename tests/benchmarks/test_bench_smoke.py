@@ -53,6 +53,16 @@ def test_tiny_checkpoint_is_built_once_and_needs_add_up(tiny_dir):
     assert sum(b - a for s in shares for _, a, b in s) == sum(os.path.getsize(p) for p in files)
 
 
+def test_held_files_stay_in_the_page_cache_until_the_block_ends(tiny_dir):
+    files = checkpoint_files(tiny_dir)
+    size = sum(os.path.getsize(p) for p in files)
+    assert pagecache.evict(files) == 0
+    with pagecache.held(files):
+        assert pagecache.resident(files) >= size  # read in by the lock
+        assert pagecache.evict(files, timeout_s=0.2) >= size  # locked: DONTNEED drops none of their pages
+    assert pagecache.evict(files) == 0
+
+
 def test_every_loader_at_tp_2(tiny_dir, tmp_path, capsys, ray_local):
     out = tmp_path / "out"
     common = ["--model-dir", tiny_dir, "--runs", "1", "--warm-runs", "1", "--rank-node-runs", "1", "--gate-cpu", "0"]
