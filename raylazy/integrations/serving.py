@@ -42,7 +42,7 @@ from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, shares_page_cache, solo_backend
 from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
-from ..io.cooperative import box_mappable, cached_share, mapped, mapped_box, populating
+from ..io.cooperative import box_mappable, cached_share, mapped, mapped_box, populating, unmap_later
 from ..storage import open_planned_files, storage_for
 from .lazy import LazyWeight
 from .options import LazyOptions
@@ -76,7 +76,8 @@ class RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._maps.clear()
+        maps, self._maps = list(self._maps.values()), {}
+        unmap_later(maps)  # the copies out of them are done: the load goes on while the kernel unmaps them
         self._open.close()
         self._sources.clear()
 

@@ -293,6 +293,14 @@ def mapped(source: LocalSource):
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
+def unmap_later(mappings: list) -> None:
+    """Unmap files `mapped` (`mappings` holds the last references to their tensors) on a thread of its own, which
+    ends with it: tearing a mapping's page tables down takes about 12 ms per GB its copies touched (here), which
+    the caller need not wait for. Each mapping's close lets go of the GIL while the kernel unmaps it."""
+    if mappings:
+        threading.Thread(target=mappings.clear, name="raylazy-unmap").start()
+
+
 def mapped_box(mapping, region: Region):
     """The region's box (`raylazy.core.boxes.Region`) as a view of its file's mapping (`mapped`), in its dtype and
     shape: nothing is read until its bytes are used. Only for a region `box_mappable` says a view shows."""

@@ -410,6 +410,27 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
         assert not reads.warm() and not reads.copies_at_once()
 
 
+def test_leaving_the_reader_unmaps_its_files_on_a_thread_that_ends(llama_dir):
+    """The files' mappings a reader made are all unmapped once it is left, by a thread of their own (the load goes
+    on meanwhile), which then ends: none of them, and no such thread, is left behind."""
+    ckpt = open_checkpoint(llama_dir)
+    paths = {f.path for f in ckpt.files}
+
+    def left() -> tuple[set[str], list[str]]:
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f} & paths
+        return mapped, [t.name for t in threading.enumerate() if t.name == "raylazy-unmap"]
+
+    with RegionReader(ckpt, LazyOptions()) as reads:
+        for f in range(len(ckpt.files)):
+            reads.mapping(f)
+        assert left()[0] == paths
+    deadline = time.monotonic() + 10
+    while any(left()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert left() == (set(), [])
+
+
 def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
     """Two workers of one node (threads): one copies at once out of the page cache (`AtOnce`), its part in the
     load's gathering started before its run and waited for when done; the other records and plans its read
