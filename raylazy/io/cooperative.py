@@ -113,9 +113,10 @@ def read_rank_cooperative(
         ready = stack.enter_context(_ready_map(node_read.load_id, sched, mine)) if options.stripe_readers else None
         sources = stack.enter_context(open_planned_files(plan, sorted(files), opened=sources))
         _check_local(plan, sources)
+        maps = stack.enter_context(_mapped_files({f: sources[f] for f in {k.part.read.file for k in keeps}}))
         readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
         with _one_intra_op_thread(torch):
-            _keep(torch, plan, sched, keeps, sources, ready, buffers, counter, readers, options.stripe_timeout_s)
+            _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s)
         for f in readers:
             f.result()
     stats.bytes_needed = counter.value
@@ -202,8 +203,9 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
                     source.readinto(s.start, [view[: s.end - s.start]])
             ready.mark(i)
     finally:
-        for mm, _ in maps.values():
-            mm.close()
+        mms = [mm for mm, _ in maps.values()]
+        maps.clear()
+        unmap_later(mms)
 
 
 def _populate(source: LocalSource, s, maps: dict[int, tuple[mmap.mmap, int]]) -> bool:
@@ -232,13 +234,11 @@ def _populate(source: LocalSource, s, maps: dict[int, tuple[mmap.mmap, int]]) ->
         return False
 
 
-def _keep(torch, plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, ready: ReadyMap | None, buffers,
+def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict, ready: ReadyMap | None, buffers,
           counter, readers: list, timeout_s: float) -> None:
-    """Copy every keep into its shard as soon as its stripe is ready (in whatever order stripes become ready);
-    with no ready map (no stripe readers), every keep at once, in stripe order."""
+    """Copy every keep into its shard out of its file's mapping (`maps`) as soon as its stripe is ready (in whatever
+    order stripes become ready); with no ready map (no stripe readers), every keep at once, in stripe order."""
     import numpy as np
-
-    maps = {f: mapped(s) for f, s in sources.items()}
 
     def copy(k) -> None:  # a read in flight while it runs: its page faults may wait on storage
         with reading(sources[k.part.read.file], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of "
@@ -293,11 +293,23 @@ def mapped(source: LocalSource):
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
+@contextmanager
+def _mapped_files(sources: dict) -> Iterator[dict]:
+    """Each of `sources` `mapped` ({file: mapping}); on leaving, unmapped on a thread (`unmap_later`)."""
+    maps = {f: mapped(s) for f, s in sources.items()}
+    try:
+        yield maps
+    finally:
+        held = list(maps.values())
+        maps.clear()
+        unmap_later(held)
+
+
 def unmap_later(mappings: list) -> None:
-    """Unmap files `mapped` (`mappings` holds the last references to their tensors) on a thread of its own, which
-    ends with it: the kernel's teardown of a mapping's page tables, which the caller need not wait for, took 4-9 ms
-    for the 0.2 GB a tp=2 worker copies out of a 0.41 GB file, 22-45 ms for 0.41 GB (two processes at once, 2
-    cores). Each mapping's close lets go of the GIL while the kernel unmaps it."""
+    """Unmap files mapped (`mappings` holds the last references to their `mapped` tensors or mmap objects) on a
+    thread of its own, which ends with it: the kernel's teardown of a mapping's page tables, which the caller need
+    not wait for, took 4-9 ms for the 0.2 GB a tp=2 worker copies out of a 0.41 GB file, 22-45 ms for 0.41 GB
+    (two processes at once, 2 cores). Each mapping's close lets go of the GIL while the kernel unmaps it."""
     if mappings:
         threading.Thread(target=mappings.clear, name="raylazy-unmap").start()
 
