@@ -12,9 +12,8 @@ fresh process (`--one`). Before it, the parent makes the cache state (cold: the 
 posix_fadvise DONTNEED; warm: the files in the page cache and held there until the run ends, mapped and locked:
 benchmarks/loaders/pagecache.py's `held`; without it, a proactive reclaim such as the DAMON pageout some virtual
 machines run takes pages the ~20 s engine start leaves idle, and the step's faults read them back, some runs far
-more than others) and reads the device's counters (/proc/diskstats). The child
-imports vLLM, then times `LLM(...)` up to its first generated token ("ready": engine, workers, weights, KV cache,
-one greedy token), and sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every
+more than others) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times `LLM(...)`
+up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every
 worker's weight-loading step (its loader's `load_weights`, whatever the format) is timed alike: the child and the
 workers vLLM spawns (which import this file again) wrap it (`time_load_steps`). "load" is the slowest worker's step;
 "node load" the engine's, from the first worker's start of it to the last one's end. They differ where the workers

@@ -10,10 +10,11 @@ each tp and cache state, runs in turn (A B C A B C ...): `raylazy` and `auto` (a
 that format on the checkpoint, the parent's copy "step 0", then makes the cache state of "step 1", a copy of it in
 another directory, and reloads from it) and `fresh` (benchmarks/vllm_load.py's engine start, on vLLM's default
 loader, to the first token; `--what raylazy auto` leaves it out). Cold: step 1's pages evicted; warm: its files in the
-page cache and held there through the reload (benchmarks/loaders/pagecache.py's `held`). Reported: the reload's seconds (the `collective_rpc` call); from each worker's /proc/self/io during it, the
-bytes it made the storage read (read_bytes; the most one worker read, and the workers' sum: the node's) and those
-its read calls returned (rchar: not the pages a memory map or the cooperative reader's shared copies take); and what
-/proc/diskstats saw the checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's
+page cache and held there through the reload (benchmarks/loaders/pagecache.py's `held`). Reported: the reload's
+seconds (the `collective_rpc` call); from each worker's /proc/self/io during it, the bytes it made the storage read
+(read_bytes; the most one worker read, and the workers' sum: the node's) and those its read calls returned (rchar:
+not the pages a memory map or the cooperative reader's shared copies take); and what /proc/diskstats saw the
+checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's
 0.53 GB Llama.
 """
 
