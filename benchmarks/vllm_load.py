@@ -5,35 +5,35 @@ Run with the vLLM virtualenv's python (docs/vllm.md), from the repository root, 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/vllm_load.py --tp 1 2 --cache cold warm --runs 5 \
         --formats raylazy auto runai_streamer raylazy:ranged --dtype bfloat16 bfloat16:float32 float32:bfloat16
 
-Before the runs, raylazy's modules are compiled to bytecode, as pip installs them. Runs alternate: for each
-repetition, for each tp and cache state, every format in turn, in reverse order every other repetition (A B C C B A
-A B C ...), so drift on a shared machine spreads over all formats alike and none always runs first. Each run is a
-fresh process (`--one`). Before it, the parent makes the cache state (cold: the checkpoint's pages evicted with
-posix_fadvise DONTNEED; warm: the files in the page cache and held there until the run ends, mapped and locked:
+Before the runs, raylazy's modules are compiled to bytecode, as pip installs them. Runs alternate: for each repetition,
+for each tp and cache state, every format in turn, in reverse order every other repetition (A B C C B A A B C ...), so
+drift on a shared machine spreads over all formats alike and none always runs first. Each run is a fresh process
+(`--one`). Before it, the parent makes the cache state (cold: the checkpoint's pages evicted with posix_fadvise
+DONTNEED; warm: the files in the page cache and held there until the run ends, mapped and locked:
 benchmarks/loaders/pagecache.py's `held`; without it, a proactive reclaim such as the DAMON pageout some virtual
-machines run takes pages the ~20 s engine start leaves idle, and the step's faults read them back, some runs far
-more than others) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times `LLM(...)`
-up to its first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and sums the `read_bytes` of itself and its descendants, the vLLM workers (/proc/PID/io). Every
-worker's weight-loading step (its loader's `load_weights`, whatever the format) is timed alike: the child and the
-workers vLLM spawns (which import this file again) wrap it (`time_load_steps`). "load" is the slowest worker's step;
-"node load" the engine's, from the first worker's start of it to the last one's end. They differ where the workers
-start apart: a raylazy worker waits at its node's agreement for the others, so its own step holds the skew, which
-the other loaders' steps do not (vLLM's own "Loading weights took" line is its first worker's alone). "device read"
-and "mean request" are what /proc/diskstats saw the checkpoint's device read meanwhile (the node's reads from
-storage; other processes on the machine included, so a quiet machine is assumed) and its mean request size;
-"refaulted" the file pages the kernel read again after evicting them during the run (/proc/vmstat: memory pressure,
-or proactive reclaim such as DAMON's pageout, which some virtual machines run), where device reads past the
-checkpoint's size come from. A format `raylazy:KEY=VALUE,...` passes those options in model_loader_extra_config,
-another format's (`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)` itself. `--dtype CHECKPOINT[:SERVED]`
-names the checkpoint's dtype and the dtype vLLM serves it in (the same by default; `bfloat16:float32` converts every
-weight while loading); several are alternated like the formats. The table gives medians (and the range) over the
-repetitions, then each format's node load step against the first format's, repetition by repetition (the median of
-the differences: the machine's slower spells span several runs, and a difference of medians moves with them); every
-run's numbers go to stderr as JSON, with how each raylazy worker loaded ("modes": at-once, replay or rerun). The
-default checkpoint is the benchmark's Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in
-bf16, 1.07 GB in float32), built on first use; `--shape small` a smaller one of more, smaller tensors (9 layers of
-hidden 1024, one 0.41 GB file), where the fixed cost of raylazy's step (its recording pass, the node's agreement)
-weighs most. """
+machines run takes pages the ~20 s engine start leaves idle, and the step's faults read them back, some runs far more
+than others) and reads the device's counters (/proc/diskstats). The child imports vLLM, then times `LLM(...)` up to its
+first generated token ("ready": engine, workers, weights, KV cache, one greedy token), and sums the `read_bytes` of
+itself and its descendants, the vLLM workers (/proc/PID/io). Every worker's weight-loading step (its loader's
+`load_weights`, whatever the format) is timed alike: the child and the workers vLLM spawns (which import this file
+again) wrap it (`time_load_steps`). "load" is the slowest worker's step; "node load" the engine's, from the first
+worker's start of it to the last one's end. They differ where the workers start apart: a raylazy worker waits at its
+node's agreement for the others, so its own step holds the skew, which the other loaders' steps do not (vLLM's own
+"Loading weights took" line is its first worker's alone). "device read" and "mean request" are what /proc/diskstats saw
+the checkpoint's device read meanwhile (the node's reads from storage; other processes on the machine included, so a
+quiet machine is assumed) and its mean request size; "refaulted" the file pages the kernel read again after evicting
+them during the run (/proc/vmstat: memory pressure, or proactive reclaim such as DAMON's pageout, which some virtual
+machines run), where device reads past the checkpoint's size come from. A format `raylazy:KEY=VALUE,...` passes those
+options in model_loader_extra_config, another format's (`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)`
+itself. `--dtype CHECKPOINT[:SERVED]` names the checkpoint's dtype and the dtype vLLM serves it in (the same by
+default; `bfloat16:float32` converts every weight while loading); several are alternated like the formats. The table
+gives medians (and the range) over the repetitions, then each format's node load step against the first format's,
+repetition by repetition (the median of the differences: the machine's slower spells span several runs, and a
+difference of medians moves with them); every run's numbers go to stderr as JSON, with how each raylazy worker loaded
+("modes": at-once, replay or rerun). The default checkpoint is the benchmark's Llama (benchmarks/loaders/checkpoint.py,
+3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32), built on first use; `--shape small` a smaller one of more,
+smaller tensors (9 layers of hidden 1024, one 0.41 GB file), where the fixed cost of raylazy's step (its recording
+pass, the node's agreement) weighs most. """
 
 from __future__ import annotations
 
