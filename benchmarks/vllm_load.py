@@ -138,13 +138,12 @@ def prepare(files: list[str], cache: str):
     """Make the cache state for the block: cold (the files' pages evicted) or warm (the files in the page cache, held
     there until the block ends: `held`)."""
     if cache == "cold":
-        left = evict(files)
-        if left:
+        if left := evict(files):
             print(f"warning: {left} bytes of the checkpoint stayed in the page cache", file=sys.stderr)
         yield
-        return
-    with held(files):
-        yield
+    else:
+        with held(files):
+            yield
 
 
 def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Device) -> dict:

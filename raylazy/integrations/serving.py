@@ -76,8 +76,7 @@ class RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        maps, self._maps = list(self._maps.values()), {}
-        unmap_later(maps)  # the copies out of them are done: the load goes on while the kernel unmaps them
+        unmap_later(self._maps)  # the copies out of them are done: the load goes on while the kernel unmaps them
         self._open.close()
         self._sources.clear()
 
