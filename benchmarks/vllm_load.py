@@ -27,13 +27,13 @@ machines run), where device reads past the checkpoint's size come from. A format
 options in model_loader_extra_config, another format's (`auto:safetensors_load_strategy=prefetch`) go to `LLM(...)`
 itself. `--dtype CHECKPOINT[:SERVED]` names the checkpoint's dtype and the dtype vLLM serves it in (the same by
 default; `bfloat16:float32` converts every weight while loading); several are alternated like the formats. The table
-gives medians (and the range) over the repetitions, then each format's node load step against the first format's,
-repetition by repetition (the median of the differences: the machine's slower spells span several runs, and a
-difference of medians moves with them); every run's numbers go to stderr as JSON, with how each raylazy worker loaded
-("modes": at-once, replay or rerun). The default checkpoint is the benchmark's Llama (benchmarks/loaders/checkpoint.py,
-3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32), built on first use; `--shape small` a smaller one of more,
-smaller tensors (9 layers of hidden 1024, one 0.41 GB file), where the fixed cost of raylazy's step (its recording
-pass, the node's agreement) weighs most. """
+gives medians (and the range) over the repetitions, then each format's node load step, and its engine ready time
+split at the step, against the first format's, repetition by repetition (the median of the differences: the
+machine's slower spells span several runs, and a difference of medians moves with them); every run's numbers go to
+stderr as JSON, with how each raylazy worker loaded ("modes": at-once, replay or rerun). The default checkpoint is
+the benchmark's Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32),
+built on first use; `--shape small` a smaller one of more, smaller tensors (9 layers of hidden 1024, one 0.41 GB
+file), where the fixed cost of raylazy's step (its recording pass, the node's agreement) weighs most. """
 
 from __future__ import annotations
 
@@ -84,19 +84,20 @@ def one(model: str, spec: str, tp: int, dtype: str) -> dict:
 
     fmt, extra = load_format(spec)
     before = proc_io()["read_bytes"]
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), time.time()
     # raylazy's options are its loader's extra config; another format's are LLM's own (its load config's, e.g.
     # auto:safetensors_load_strategy=prefetch)
     options = {"model_loader_extra_config": extra} if fmt.startswith("raylazy") else extra
     llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1, **options)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-    ready = time.perf_counter() - t0
+    ready, end = time.perf_counter() - t0, time.time()
     workers = [proc_io(p.pid)["read_bytes"] for p in psutil.Process().children(recursive=True)]
     own = proc_io()["read_bytes"] - before
     llm.llm_engine.engine_core.shutdown()
     # tp=1: the worker is this process; tp > 1: the workers are its children
-    return {"ready_s": ready, "read_bytes": own + sum(workers), "worker_max": max(workers) if tp > 1 else own}
+    return {"ready_s": ready, "start": start, "end": end, "read_bytes": own + sum(workers),
+            "worker_max": max(workers) if tp > 1 else own}
 
 
 #: Set in a child's environment: it, and the vLLM workers it spawns, time their load steps.
@@ -162,9 +163,12 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
         return {**row, "error": (error[-1] if error else "")[-200:]}
     steps = [tuple(map(float, m)) for m in re.findall(r"^LOADSTEP ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
     modes = [f["mode"] for f in map(fields, done.stdout.splitlines()) if f]  # how each raylazy worker loaded
+    start, end = result.pop("start"), result.pop("end")
+    first, last = (min(a for a, _ in steps), max(b for _, b in steps)) if steps else (None, None)
     return {**row, **result, **({"modes": modes} if modes else {}),
             "load_s": max((b - a for a, b in steps), default=None),
-            "node_load_s": max(b for _, b in steps) - min(a for a, _ in steps) if steps else None,
+            "node_load_s": last - first if steps else None,
+            "before_load_s": first - start if steps else None, "after_load_s": end - last if steps else None,
             "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None,
             "refaulted_bytes": refaulted}
 
@@ -211,24 +215,31 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+#: What `paired` sets side by side: the node's load step, and engine ready with its parts before and after the step
+#: (from `LLM(...)` to the first worker's start of it; from the last worker's end of it to the first token).
+PAIRED = {"node_load_s": "node load step", "ready_s": "ready", "before_load_s": "ready, before the step",
+          "after_load_s": "ready, after the step"}
+
+
 def paired(rows: list[dict], first: str) -> list[str]:
-    """Each other format's node load step against format `first`'s, repetition by repetition (the same tp, cache
-    state and dtype, run moments apart): the median of the differences, in how many repetitions `first` was
-    slower, and how often a count as far from an even split comes by chance where neither is faster (`sign_p`).
-    Less swayed than a difference of medians by the machine's slower spells, which span several runs."""
-    steps: dict[tuple, dict[int, dict[str, float]]] = {}  # (tp, cache, dtype) -> repetition -> format -> step
-    for r in rows:
-        if r.get("node_load_s") is not None:
-            case = steps.setdefault((r["tp"], r["cache"], r["dtype"]), {})
-            case.setdefault(r["run"], {})[r["format"]] = r["node_load_s"]
+    """Each other format against format `first`, repetition by repetition (the same tp, cache state and dtype, run
+    moments apart), in each of `PAIRED`: the median of the differences, in how many repetitions `first` took longer,
+    and how often a count as far from an even split comes by chance where neither is faster (`sign_p`). Less swayed
+    than a difference of medians by the machine's slower spells, which span several runs."""
     out = []
-    for (tp, cache, dtype), reps in steps.items():
-        for spec in dict.fromkeys(f for by in reps.values() for f in by if f != first):
-            diffs = [by[first] - by[spec] for by in reps.values() if first in by and spec in by]
-            if diffs:
-                out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: node load step "
-                           f"{statistics.median(diffs):+.3f} s by the median of {len(diffs)} paired repetitions, "
-                           f"{first} slower in {sum(d > 0 for d in diffs)} of them (sign test p = {sign_p(diffs):.2f})")
+    for key, what in PAIRED.items():
+        cases: dict[tuple, dict[int, dict[str, float]]] = {}  # (tp, cache, dtype) -> repetition -> format -> s
+        for r in rows:
+            if r.get(key) is not None:
+                cases.setdefault((r["tp"], r["cache"], r["dtype"]), {}).setdefault(r["run"], {})[r["format"]] = r[key]
+        for (tp, cache, dtype), reps in cases.items():
+            for spec in dict.fromkeys(f for by in reps.values() for f in by if f != first):
+                diffs = [by[first] - by[spec] for by in reps.values() if first in by and spec in by]
+                if diffs:
+                    out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: {what} "
+                               f"{statistics.median(diffs):+.3f} s by the median of {len(diffs)} paired repetitions, "
+                               f"{first} longer in {sum(d > 0 for d in diffs)} of them (sign test p = "
+                               f"{sign_p(diffs):.2f})")
     return out
 
 
