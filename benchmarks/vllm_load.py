@@ -164,11 +164,12 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
     steps = [tuple(map(float, m)) for m in re.findall(r"^LOADSTEP ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
     modes = [f["mode"] for f in map(fields, done.stdout.splitlines()) if f]  # how each raylazy worker loaded
     start, end = result.pop("start"), result.pop("end")
-    first, last = (min(a for a, _ in steps), max(b for _, b in steps)) if steps else (None, None)
+    spans = dict.fromkeys(("node_load_s", "before_load_s", "after_load_s"))
+    if steps:  # the engine's step, from the first worker's start of it to the last one's end, and ready around it
+        first, last = min(a for a, _ in steps), max(b for _, b in steps)
+        spans = {"node_load_s": last - first, "before_load_s": first - start, "after_load_s": end - last}
     return {**row, **result, **({"modes": modes} if modes else {}),
-            "load_s": max((b - a for a, b in steps), default=None),
-            "node_load_s": last - first if steps else None,
-            "before_load_s": first - start if steps else None, "after_load_s": end - last if steps else None,
+            "load_s": max((b - a for a, b in steps), default=None), **spans,
             "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None,
             "refaulted_bytes": refaulted}
 
@@ -226,15 +227,15 @@ def paired(rows: list[dict], first: str) -> list[str]:
     moments apart), in each of `PAIRED`: the median of the differences, in how many repetitions `first` took longer,
     and how often a count as far from an even split comes by chance where neither is faster (`sign_p`). Less swayed
     than a difference of medians by the machine's slower spells, which span several runs."""
+    cases: dict[tuple, dict[int, dict[str, dict]]] = {}  # (tp, cache, dtype) -> repetition -> format -> row
+    for r in rows:
+        cases.setdefault((r["tp"], r["cache"], r["dtype"]), {}).setdefault(r["run"], {})[r["format"]] = r
     out = []
     for key, what in PAIRED.items():
-        cases: dict[tuple, dict[int, dict[str, float]]] = {}  # (tp, cache, dtype) -> repetition -> format -> s
-        for r in rows:
-            if r.get(key) is not None:
-                cases.setdefault((r["tp"], r["cache"], r["dtype"]), {}).setdefault(r["run"], {})[r["format"]] = r[key]
         for (tp, cache, dtype), reps in cases.items():
             for spec in dict.fromkeys(f for by in reps.values() for f in by if f != first):
-                diffs = [by[first] - by[spec] for by in reps.values() if first in by and spec in by]
+                diffs = [by[first][key] - by[spec][key] for by in reps.values()
+                         if by.get(first, {}).get(key) is not None and by.get(spec, {}).get(key) is not None]
                 if diffs:
                     out.append(f"{first} - {spec}, tp={tp} {cache} {dtype}: {what} "
                                f"{statistics.median(diffs):+.3f} s by the median of {len(diffs)} paired repetitions, "

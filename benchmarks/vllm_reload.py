@@ -14,8 +14,7 @@ page cache and held there through the reload (benchmarks/loaders/pagecache.py's 
 seconds (the `collective_rpc` call); from each worker's /proc/self/io during it, the bytes it made the storage read
 (read_bytes; the most one worker read, and the workers' sum: the node's) and those its read calls returned (rchar:
 not the pages a memory map or the cooperative reader's shared copies take); and what /proc/diskstats saw the
-checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's
-0.53 GB Llama.
+checkpoint's device read meanwhile. The default checkpoint is benchmarks/vllm_load.py's 0.53 GB Llama.
 """
 
 from __future__ import annotations
