@@ -13,9 +13,10 @@ each worker of the engine also makes of a fresh copy of the model (the weights a
 repacks the linear layers and empties their parameters), each `{"name", "format", "extra", "cold"}`. A check's result holds, per rank, a
 sha256 of every parameter, the parameters' elements, and what the worker's process read during the loader's
 `load_weights`, measured from /proc/self/io (`rchar`: bytes its read calls returned; `read_bytes`: bytes it
-made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), and the
-numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank
-0 is fed its neighbour's bytes (peer_loader.py).
+made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), the
+generation of each pass Python's collector made meanwhile (`collections`), and the numbers of raylazy's log line
+when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank 0 is fed its neighbour's bytes
+(peer_loader.py).
 
 An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start", "generate" or "reload",
 "message": vLLM's error}), a check that fails its own in `check_errors`, and the next run starts. The checks
@@ -74,9 +75,19 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     try:
         with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
+            passes: list[int] = []  # the generation of each pass of the collector meanwhile
+
+            def count(phase: str, info: dict) -> None:
+                if phase == "start":
+                    passes.append(info["generation"])
+
+            gc.callbacks.append(count)
             before = proc_io()
-            loader.load_weights(model, cfg.model_config)
-            after = proc_io()
+            try:
+                loader.load_weights(model, cfg.model_config)
+            finally:
+                after = proc_io()
+                gc.callbacks.remove(count)
     finally:
         cfg.compilation_config.static_forward_context = layers
         logging.getLogger("vllm.raylazy").removeHandler(handler)
@@ -84,7 +95,7 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
                for name, p in model.named_parameters()}
     return {"digests": digests, "numel": sum(p.numel() for p in model.parameters()),
             "rchar": after["rchar"] - before["rchar"], "read_bytes": after["read_bytes"] - before["read_bytes"],
-            "line": next(filter(None, map(fields, lines)), None)}
+            "collections": passes, "line": next(filter(None, map(fields, lines)), None)}
 
 
 def evict(model: str) -> None:
