@@ -13,10 +13,13 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from ..errors import DuplicateTensorError, IndexFileError, MissingTensorError, ModelConfigError, UnsafePathError
 from .header import FileHeader, TensorInfo
-from .quantization import Format, parse_quantization
+
+if TYPE_CHECKING:
+    from .quantization import Format
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -68,7 +71,10 @@ class ModelConfig:
         if type(mtp) is not int or mtp < 0:
             raise ModelConfigError(f"{source}: num_nextn_predict_layers must be a non-negative integer, got {mtp!r}")
         values["num_nextn_predict_layers"] = mtp
-        values["quantization"] = parse_quantization(raw.get("quantization_config"), source)
+        if raw.get("quantization_config") is not None:
+            from .quantization import parse_quantization  # its formats' modules, for a quantized checkpoint only
+
+            values["quantization"] = parse_quantization(raw["quantization_config"], source)
         for f in fields(cls):
             if f.name in values:
                 continue

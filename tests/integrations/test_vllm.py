@@ -428,12 +428,14 @@ def test_the_entry_point_registers_the_format_and_bad_options_are_named(engines)
     """vLLM's own plugin loading finds the entry point; a bad model_loader_extra_config is a ConfigurationError
     naming the option, raised when vLLM makes the loader (tests/support/vllm/engines.py's `plugins`, in the engines'
     process before it imports anything of raylazy). Registering imports the plugin's module alone: raylazy's
-    readers are imported where a loader is made, not in every vLLM process."""
+    readers are imported where a loader is made, not in every vLLM process, and its quantization formats where a
+    quantized checkpoint is opened."""
     out = dict(engines["plugins"])
     assert out.pop("registering imported") == ["raylazy", "raylazy.integrations", "raylazy.integrations.vllm"]
     assert out.pop("loader") == "RaylazyModelLoader"
     made = out.pop("a loader imported")
     assert {"raylazy.integrations.worker", "raylazy.integrations.serving", "raylazy.io.ranged"} <= set(made), made
+    assert "raylazy.core.quantization" not in made  # imported on opening a quantized checkpoint only
     assert len(out) == 4  # every bad config raised
     for extra, named in (('{"threads": 0}', "threads=0"), ('{"bogus": 1}', "bogus=1"),
                          ('{"backend": "nvme"}', "backend='nvme'"), ('{"replay": "no"}', "replay='no'")):
