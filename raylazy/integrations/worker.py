@@ -31,7 +31,7 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Laz
     """Load this worker's weights of `model` from the checkpoint `model_config` names; returns what the model's
     `load_weights` says it loaded (None where the model's loader says nothing). The collector is paused throughout:
     the headers and the recording are up to ~10^5 small objects among a worker's ~6 x 10^5 of torch's and vLLM's,
-    whose full passes would cost a DeepSeek-sized load 0.4 s, and vLLM collects once the step is done."""
+    whose full passes would cost a DeepSeek-sized load about 0.5 s, and vLLM collects once the step is done."""
     meter = Meter()
     ckpt = checkpoint(model_config, options)
     device, group = next(model.parameters()).device, _workers()
