@@ -7,24 +7,25 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def gc_paused():
+def gc_paused(promote: bool = True):
     """Pause Python's cyclic garbage collector while many objects are made: a large checkpoint's headers and plan
     are ~10^5 small acyclic objects, and the collector's passes over them (and over all else alive) would cost
     more than planning itself; raylazy's modules imported into a vLLM worker (~6 x 10^5 objects of torch's and
     vLLM's alive) would set off full passes costing 0.3-0.4 s.
 
-    On resuming, what was allocated meanwhile goes straight to the oldest generation (`gc.freeze()` then
-    `gc.unfreeze()`: two list splices), as a long-lived plan would after surviving two passes: otherwise the
+    With `promote`, on resuming, what was allocated meanwhile goes straight to the oldest generation (`gc.freeze()`
+    then `gc.unfreeze()`: two list splices), as a long-lived plan would after surviving two passes: otherwise the
     first young pass after it scans every one of those objects (a fifth of a second for DeepSeek-V3's plan). A
-    process that froze objects of its own (`gc.get_freeze_count()`) keeps them frozen: its young objects are
-    then left to the passes."""
+    process that froze objects of its own keeps them frozen: its young objects are then left to the passes.
+    Asking whether it did walks every frozen object (`gc.get_freeze_count()`: 76 ms in a vLLM worker once vLLM
+    froze its heap), so where a full collection follows anyway (vLLM's after a load) pass `promote=False`."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
-            if not gc.get_freeze_count():
+            if promote and not gc.get_freeze_count():
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()

@@ -71,7 +71,10 @@ class RaylazyModelLoader(BaseModelLoader):
         super().__init__(load_config)
         from ..core.collector import gc_paused
 
-        with gc_paused():  # among a worker's ~6 x 10^5 objects, the collector's passes would cost more than the import
+        # among a worker's ~6 x 10^5 objects, the collector's passes would cost more than the import; vLLM's
+        # collection after the load takes what it made (a loader is made again for each in-place reload, once vLLM
+        # froze its heap: `promote` would then walk every frozen object)
+        with gc_paused(promote=False):
             from . import worker  # raylazy's readers: imported where a loader is made, not in every vLLM process
             from .options import lazy_options
 

@@ -799,3 +799,22 @@ def test_planning_hands_the_garbage_collector_back_as_it_found_it(llama_dir):
         assert gc.isenabled() and 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
+
+
+def test_a_pause_without_promotion_leaves_what_it_made_young():
+    """`gc_paused(promote=False)`, a vLLM worker's (vLLM collects after the load): the collector is off inside and on
+    again after, and what was made meanwhile is left to the young passes, not handed to the oldest generation (as
+    `promote` hands it: the planning test above)."""
+    import gc
+
+    from raylazy.core.collector import gc_paused
+
+    def gen2_has(obj) -> bool:
+        return any(o is obj for o in gc.get_objects(generation=2))
+
+    for promote in (True, False):
+        with gc_paused(promote=promote):
+            assert not gc.isenabled()
+            made = [[i] for i in range(1000)]  # lists: always tracked
+        assert gc.isenabled()
+        assert gen2_has(made[0]) == promote
