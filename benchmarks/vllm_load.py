@@ -287,15 +287,21 @@ def checkpoints(model: str | None, cases: list[str], shape: str = "default") -> 
     return out
 
 
-def main(argv=None) -> int:
-    ap = run_options(__doc__, runs=5)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), help="load formats; raylazy:KEY=VALUE,... for options")
+def format_options(ap: argparse.ArgumentParser, formats: list[str]) -> argparse.ArgumentParser:
+    """The options of the benchmarks that alternate load formats: --formats, --dtype, --shape (and --served: the
+    dtype a child serves)."""
+    ap.add_argument("--formats", nargs="+", default=formats, help="load formats; raylazy:KEY=VALUE,... for options")
     ap.add_argument("--dtype", nargs="+", default=["bfloat16"], metavar="CHECKPOINT[:SERVED]",
                     help="the checkpoint's dtype and the one served (bfloat16:float32 converts while loading)")
     ap.add_argument("--shape", choices=SHAPES, default="default",
                     help="the benchmark checkpoint's shape (ignored with --model): " + ", ".join(SHAPES))
-    ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
     ap.add_argument("--served", default="bfloat16", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = format_options(run_options(__doc__, runs=5), list(FORMATS))
+    ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
