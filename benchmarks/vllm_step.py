@@ -9,8 +9,8 @@ benchmarks/vllm_load.py times each format's step in an engine of its own, and en
 more than the few milliseconds left between the formats warm. Here one engine is started per tp, cache state and
 dtype (on vLLM's dummy loader: it reads nothing), and then each of its workers, at once, makes a fresh copy of the
 served model and loads it with each format in turn, in reverse order every other repetition (A B B A A B ...),
-timing its loader's `load_weights` (wall clock; the workers' processes already hold everything an engine holds:
-vLLM's heap frozen, every import done, raylazy's too after its first load). Cold: the checkpoint's pages evicted
+timing its loader's `load_weights` (wall clock; the loader is made before, raylazy's modules imported with the
+first; the workers hold what a served engine's hold, vLLM's heap frozen among it). Cold: the checkpoint's pages evicted
 before every load; warm: the files held in the page cache through the engine's life (benchmarks/loaders/pagecache.py's
 `held`). Reported per format: the slowest worker's step and the node's (the first worker's start to the last one's
 end), medians and ranges, then each format against the first, repetition by repetition (benchmarks/vllm_load.py's
