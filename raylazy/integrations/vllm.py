@@ -85,11 +85,17 @@ class RaylazyModelLoader(BaseModelLoader):
         self.worker.checkpoint(model_config, self.options)
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        loaded = self.worker.load_weights(model, model_config, self.options)
-        if model_config.quantization is None and loaded is not None:
-            # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
-            # loader: it reads nothing of a loader but what every BaseModelLoader has
-            DefaultModelLoader.track_weights_loading(self, model, loaded)
+        """The step, with Python's cyclic collector paused throughout: the headers and the recording are up to ~10^5
+        small objects among a worker's ~6 x 10^5 of torch's and vLLM's, whose full passes would cost a
+        DeepSeek-sized load about 0.5 s. vLLM's `gc.collect()` follows the step at once and takes what it made."""
+        from ..core.collector import gc_paused
+
+        with gc_paused(promote=False):
+            loaded = self.worker.load_weights(model, model_config, self.options)
+            if model_config.quantization is None and loaded is not None:
+                # the check vLLM's default loader makes (every parameter was loaded from the checkpoint), on this
+                # loader: it reads nothing of a loader but what every BaseModelLoader has
+                DefaultModelLoader.track_weights_loading(self, model, loaded)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module):
         """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now

@@ -13,7 +13,6 @@ from vllm.config import ModelConfig
 from vllm.logger import init_logger
 
 from ..core.checkpoint import Checkpoint
-from ..core.collector import gc_paused
 from ..io.stats import Meter
 from ..storage import open_checkpoint
 from .lazy import lazy_weights
@@ -26,13 +25,9 @@ from .serving import AtOnce, NodeGroup, ProcessGroupNode, RegionReader, Serving
 logger = init_logger("vllm.raylazy")
 
 
-@gc_paused(promote=False)
 def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: LazyOptions):
     """Load this worker's weights of `model` from the checkpoint `model_config` names; returns what the model's
-    `load_weights` says it loaded (None where the model's loader says nothing). The collector is paused throughout:
-    the headers and the recording are up to ~10^5 small objects among a worker's ~6 x 10^5 of torch's and vLLM's,
-    whose full passes would cost a DeepSeek-sized load about 0.5 s, and vLLM collects once the step is done (so
-    nothing is handed to the oldest generation: asking whether vLLM froze its heap would cost more)."""
+    `load_weights` says it loaded (None where the model's loader says nothing)."""
     meter = Meter()
     ckpt = checkpoint(model_config, options)
     device, group = next(model.parameters()).device, _workers()

@@ -395,8 +395,8 @@ def test_a_node_reads_together(engines, vllm_models, model):
 @pytest.mark.parametrize("model", MODELS)
 def test_the_collector_makes_no_pass_while_a_worker_loads(engines, model):
     """Python's cyclic collector is paused over a raylazy worker's whole step, in every mode (copied at once,
-    replayed from each reader, rerun): counted by the interpreter's own callbacks during each check's
-    `load_weights` (recorded without the pause, each made a pass: the recording's objects)."""
+    replayed from each reader, rerun): counted by the interpreter's own callbacks during raylazy's step in each
+    check (`raylazy.integrations.worker.load_weights`; without the pause each recorded check made a pass)."""
     ours = {name: ranks for name, ranks in _loaded(engines, (model, "raylazy", 2))["checks"].items() if name != "auto"}
     assert {c["line"]["mode"] for ranks in ours.values() for c in ranks} == {"at-once", "replay", "rerun"}
     assert {name: [c["collections"] for c in ranks] for name, ranks in ours.items()} == {n: [[], []] for n in ours}

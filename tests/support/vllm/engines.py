@@ -14,8 +14,9 @@ repacks the linear layers and empties their parameters), each `{"name", "format"
 sha256 of every parameter, the parameters' elements, and what the worker's process read during the loader's
 `load_weights`, measured from /proc/self/io (`rchar`: bytes its read calls returned; `read_bytes`: bytes it
 made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), the
-generation of each pass Python's collector made meanwhile (`collections`), and the numbers of raylazy's log line
-when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank 0 is fed its neighbour's bytes
+generation of each pass Python's collector made during raylazy's step (`collections`:
+`raylazy.integrations.worker.load_weights`, which its loader runs with the collector paused; as it resumes, a
+young pass may follow), and the numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank 0 is fed its neighbour's bytes
 (peer_loader.py).
 
 An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start", "generate" or "reload",
@@ -54,6 +55,7 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from raylazy.integrations import worker as raylazy_worker
     from raylazy.integrations.report import fields
 
     fmt, _, variant = load_format.partition("+")
@@ -75,19 +77,26 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     try:
         with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
-            passes: list[int] = []  # the generation of each pass of the collector meanwhile
+            passes: list[int] = []  # the generation of each pass of the collector during raylazy's step
 
             def count(phase: str, info: dict) -> None:
                 if phase == "start":
                     passes.append(info["generation"])
 
-            gc.callbacks.append(count)
+            def counted(*args, **kwargs):  # raylazy's step, which its loader runs with the collector paused
+                gc.callbacks.append(count)
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    gc.callbacks.remove(count)
+
+            step, raylazy_worker.load_weights = raylazy_worker.load_weights, counted
             before = proc_io()
             try:
                 loader.load_weights(model, cfg.model_config)
             finally:
                 after = proc_io()
-                gc.callbacks.remove(count)
+                raylazy_worker.load_weights = step
     finally:
         cfg.compilation_config.static_forward_context = layers
         logging.getLogger("vllm.raylazy").removeHandler(handler)
