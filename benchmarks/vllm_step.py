@@ -77,11 +77,12 @@ def engine(model: str, formats: list[str], tp: int, cache: str, served: str, run
 
     llm = LLM(model=model, load_format="dummy", tensor_parallel_size=tp, dtype=served, enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=256, max_num_seqs=1)
+    files = checkpoint_files(model)
     try:
         for rep in range(runs):
             for spec in formats[:: 1 if rep % 2 == 0 else -1]:
                 if cache == "cold":
-                    evict(checkpoint_files(model))
+                    evict(files)
                 spans = llm.collective_rpc(step, args=(spec,))
                 print("ROW " + json.dumps({"run": rep, "format": spec, "load_s": max(b - a for a, b in spans),
                                            "node_load_s": max(b for _, b in spans) - min(a for a, _ in spans)}),

@@ -16,8 +16,8 @@ sha256 of every parameter, the parameters' elements, and what the worker's proce
 made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), the
 generation of each pass Python's collector made during raylazy's step (`collections`:
 `raylazy.integrations.worker.load_weights`, which its loader runs with the collector paused; as it resumes, a
-young pass may follow), and the numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer` loads with raylazy while rank 0 is fed its neighbour's bytes
-(peer_loader.py).
+young pass may follow), and the numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer`
+loads with raylazy while rank 0 is fed its neighbour's bytes (peer_loader.py).
 
 An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start", "generate" or "reload",
 "message": vLLM's error}), a check that fails its own in `check_errors`, and the next run starts. The checks
