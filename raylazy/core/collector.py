@@ -15,17 +15,20 @@ def gc_paused(promote: bool = True):
 
     With `promote`, on resuming, what was allocated meanwhile goes straight to the oldest generation (`gc.freeze()`
     then `gc.unfreeze()`: two list splices), as a long-lived plan would after surviving two passes: otherwise the
-    first young pass after it scans every one of those objects (a fifth of a second for DeepSeek-V3's plan). A
-    process that froze objects of its own keeps them frozen: its young objects are then left to the passes.
-    Asking whether it did walks every frozen object (`gc.get_freeze_count()`: 76 ms in a vLLM worker once vLLM
-    froze its heap), so where a full collection follows anyway (vLLM's after a load) pass `promote=False`."""
-    was_enabled = gc.isenabled()
+    first young pass after it scans every one of those objects (a fifth of a second for DeepSeek-V3's plan). That
+    is done only where the pause left more than a young pass's worth (`gc.get_threshold()[0]`) of new objects: fewer
+    cost a young pass little, and the check before promoting does not (below). A process that froze objects of its
+    own keeps them frozen: its young objects are then left to the passes. Asking whether it did walks every frozen
+    object (`gc.get_freeze_count()`: 76 ms in a vLLM worker once vLLM froze its heap), so where a full collection
+    follows anyway (vLLM's after a load) pass `promote=False`."""
+    was_enabled, young = gc.isenabled(), gc.get_count()[0]
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
-            if promote and not gc.get_freeze_count():
+            made = gc.get_count()[0] - young  # net of what was freed meanwhile
+            if promote and made > gc.get_threshold()[0] and not gc.get_freeze_count():
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()

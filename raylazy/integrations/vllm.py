@@ -15,9 +15,7 @@ as it asks. Options: `model_loader_extra_config` (`LazyOptions`). Each worker lo
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
 
 import torch
 from vllm.config import ModelConfig
@@ -74,11 +72,9 @@ class RaylazyModelLoader(BaseModelLoader):
         from ..core.collector import gc_paused
 
         # The first loader in a worker imports raylazy's readers: among its ~6 x 10^5 objects, the collector's
-        # passes would cost more than the import, and handing what it made to the oldest generation is free before
-        # vLLM freezes its heap. A later one (vLLM makes one for each in-place reload) imports nothing, and must not
-        # ask whether the heap is frozen: that walks every frozen object (76 ms).
-        first = f"{__package__}.worker" not in sys.modules
-        with gc_paused() if first else contextlib.nullcontext():
+        # passes would cost more than the import. A later one (vLLM makes one for each in-place reload) imports
+        # nothing, and its pause makes too little to promote.
+        with gc_paused():
             from . import worker  # raylazy's readers: imported where a loader is made, not in every vLLM process
             from .options import lazy_options
 

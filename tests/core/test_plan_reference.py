@@ -10,6 +10,7 @@ shared cuts, lists in file order, cached rule matches and column-wise header che
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ from raylazy.core.rules import _INDEX, Rule, _skeletons, builtin_rules
 from raylazy.core.stages import partition
 from raylazy.planning import make_plan
 from raylazy.storage import open_checkpoint
+from tests.core.test_collector import in_oldest
 from tests.support import REPO
 
 LAYERS = 5  # 3 dense, 2 of 256 experts, then the MTP layer (5)
@@ -137,3 +139,29 @@ def test_names_matched_together_have_the_skeletons_each_has_alone(names):
     """Rules match a checkpoint's names by their skeletons, worked out in one pass over all the names joined: the
     same as each name's own (index segments as `*`), whatever dots, digits and newlines the names hold."""
     assert _skeletons(names) == [_INDEX.sub("*", n) for n in names]
+
+
+def test_planning_hands_the_garbage_collector_back_as_it_found_it(deepseek_dir):
+    """Planning pauses the cyclic collector; afterwards it is on again only if it was, a process's own frozen
+    objects stay frozen, and a plan of thousands of tensors waits in the oldest generation (no young pass over all
+    of it: tests/core/test_collector.py)."""
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    plan = make_plan(deepseek_dir, 2)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert in_oldest(plan.ranks[0].tensors[0])
+
+    gc.disable()
+    try:
+        make_plan(deepseek_dir, 2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    gc.freeze()  # as a pre-fork server does with its own objects
+    try:
+        frozen = gc.get_freeze_count()
+        make_plan(deepseek_dir, 2)
+        # still frozen (an unfreeze empties it), and nothing of planning's added (a frozen object freed meanwhile leaves)
+        assert gc.isenabled() and 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
