@@ -27,6 +27,7 @@ class Mount(NamedTuple):
     fs_type: str
     source: str
     options: frozenset[str]  # the mount's and the super block's options, e.g. "cache=none"
+    device: str = ""  # its st_dev as "major:minor" (0:N for a file system on no block device)
 
 
 #: Kind, whether reads cross a network, whether the node shares pages read, by file-system type.
@@ -99,7 +100,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         sep = fields.index("-", 6)
         fs_type, source, super_opts = (fields[sep + 1 : sep + 4] + ["", ""])[:3]
         options = frozenset(fields[5].split(",")) | frozenset(super_opts.split(","))
-        mounts.append(Mount(_unescape(fields[4]), fs_type, _unescape(source), options))
+        mounts.append(Mount(_unescape(fields[4]), fs_type, _unescape(source), options, fields[2]))
     return mounts
 
 
@@ -196,4 +197,20 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
         return kind_of(MAGIC.get(statfs_type(path) or 0, "unknown"))
     fuse = mount.fs_type == "fuse" or mount.fs_type.startswith("fuse.")
     probed = (uncached if uncached is not None else _probed(path)) if fuse else None
-    return kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
+    kind = kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
+    return kind.model_copy(update={"one_stream": True}) if kind.name == "local" and one_stream(mount.device) else kind
+
+
+def one_stream(device: str, block: str = "/sys/dev/block") -> bool:
+    """Whether block device `device` ("major:minor") serves one sequential stream best: sysfs (`block`) shows it
+    rotational with one hardware queue (a partition answers for its disk). False where sysfs does not say: a
+    device-mapper or RAID device without queues of its own, a file system on no block device."""
+    try:
+        disk = os.path.realpath(os.path.join(block, device))
+        if os.path.exists(os.path.join(disk, "partition")):
+            disk = os.path.dirname(disk)
+        with open(os.path.join(disk, "queue", "rotational")) as f:
+            rotational = f.read().strip() == "1"
+        return rotational and len(os.listdir(os.path.join(disk, "mq"))) == 1
+    except OSError:
+        return False
