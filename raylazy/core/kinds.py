@@ -16,8 +16,8 @@ class StorageKind(BaseModel):
     the node's other processes without reaching the storage (the kernel's page cache; GPFS's pagepool);
     `mount_point` the mount holding the checkpoint ("" for object storage); and `one_stream` whether it is a local
     block device that serves one sequential stream best: the kernel marks it rotational and it has one hardware
-    queue (a hard disk, or a virtual disk as Firecracker and QEMU's virtio-blk show one by default), where reads
-    at several offsets at once make it seek (docs/benchmarks.md measures one: 2.1-2.6 GB/s one stream, 1.5 four)."""
+    queue (a hard disk, or a virtual disk as Firecracker and QEMU's virtio-blk show one by default), which reads
+    at several offsets at once serve slower (docs/benchmarks.md measures one: 2.2-2.4 GB/s one stream, 1.5 four)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -182,10 +182,11 @@ def _probed(path: str) -> bool | None:
 def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None = None,
                  resolve: bool = True) -> StorageKind:
     """The kind of storage `path` (a file or directory) is on; `mountinfo`: a mount table's text (default: this
-    process's); `uncached`: whether a file there is served with direct_io, where known (else a FUSE mount's
+    process's, whose disks this machine's sysfs shows: `one_stream` is only asked of them); `uncached`: whether a file there is served with direct_io, where known (else a FUSE mount's
     file is probed); `resolve=False`: take the path as it is, without following its links (nothing on its mount
     is then touched)."""
     path = os.path.realpath(path) if resolve else path
+    here = mountinfo is None  # this machine's table: its devices are in this machine's sysfs
     if mountinfo is None:
         try:
             with open("/proc/self/mountinfo") as f:
@@ -198,7 +199,8 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
     fuse = mount.fs_type == "fuse" or mount.fs_type.startswith("fuse.")
     probed = (uncached if uncached is not None else _probed(path)) if fuse else None
     kind = kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
-    return kind.model_copy(update={"one_stream": True}) if kind.name == "local" and one_stream(mount.device) else kind
+    return kind.model_copy(update={"one_stream": True}) if here and kind.name == "local" and one_stream(mount.device) \
+        else kind
 
 
 def one_stream(device: str, block: str = "/sys/dev/block") -> bool:

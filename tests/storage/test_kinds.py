@@ -144,8 +144,11 @@ def test_this_machines_disk_is_one_stream_as_sysfs_shows_its_device(tmp_path):
 
 
 def test_the_mount_table_names_each_mounts_device():
+    """Each mount's device, and another machine's table is not answered from this machine's sysfs (its 254:0,
+    here a virtio disk, may be anything there)."""
     mounts = {m.mount_point: m.device for m in parse_mountinfo(RECORDED)}
     assert (mounts["/"], mounts["/data"], mounts["/mnt/efs"]) == ("254:0", "254:16", "0:61")
+    assert not storage_kind("/srv/model", RECORDED, resolve=False).one_stream
 
 
 #: statfs f_type -> (kind, network, page cache shared): the magic numbers of linux/magic.h and the file systems'
