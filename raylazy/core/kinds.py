@@ -13,11 +13,8 @@ class StorageKind(BaseModel):
     "blobfuse2", ... or "fuse" for one unknown), or "object" for object storage); `fs_type` the file system type the
     mount table names ("ext4", "nfs4", "fuse.gcsfuse"; the URI scheme for object storage); `network` whether every
     read not served by a cache crosses a network; `page_cache` whether pages one process of the node read serve
-    the node's other processes without reaching the storage (the kernel's page cache; GPFS's pagepool);
-    `mount_point` the mount holding the checkpoint ("" for object storage); and `one_stream` whether it is a local
-    block device that serves one sequential stream best: the kernel marks it rotational and it has one hardware
-    queue (a hard disk, or a virtual disk as Firecracker and QEMU's virtio-blk show one by default), which reads
-    at several offsets at once serve slower (docs/benchmarks.md measures one: 2.2-2.4 GB/s one stream, 1.5 four)."""
+    the node's other processes without reaching the storage (the kernel's page cache; GPFS's pagepool); and
+    `mount_point` the mount holding the checkpoint ("" for object storage)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -26,11 +23,9 @@ class StorageKind(BaseModel):
     network: bool
     page_cache: bool
     mount_point: str = ""
-    one_stream: bool = False
 
     def describe(self) -> str:
         """One line for summaries: "nfs (nfs4 at /mnt/models), network, page cache shared"."""
         where = f"{self.fs_type} at {self.mount_point}" if self.mount_point else self.fs_type
         return (f"{self.name} ({where}), {'network' if self.network else 'local'}, "
-                f"{'page cache shared' if self.page_cache else 'no shared page cache: every read reaches the storage'}"
-                f"{', one stream (rotational, one hardware queue)' if self.one_stream else ''}")
+                f"{'page cache shared' if self.page_cache else 'no shared page cache: every read reaches the storage'}")

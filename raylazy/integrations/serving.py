@@ -329,12 +329,9 @@ class Serving:
     def __enter__(self) -> Serving:
         if self._copying:  # the regions copied out of the mappings brought in ahead, in checkpoint order
             spans = _merged(sorted((r.file, *r.span) for r in self._left if self._copied(r)))
-            reader, storage = self.options.reader, self.reads.storage
-            # a disk that serves one stream best is read by one thread, unless told otherwise (docs/benchmarks.md)
-            one = storage is not None and storage.one_stream and "threads" not in reader.model_fields_set
-            threads = 1 if one else reader.threads
+            reader = self.options.reader
             self._reached = self._populating.enter_context(populating(
-                [(self.reads.mapping(f), a, b) for f, a, b in spans], threads, reader.chunk_bytes))
+                [(self.reads.mapping(f), a, b) for f, a, b in spans], reader.threads, reader.chunk_bytes))
         self._thread.start()
         return self
 

@@ -27,7 +27,6 @@ class Mount(NamedTuple):
     fs_type: str
     source: str
     options: frozenset[str]  # the mount's and the super block's options, e.g. "cache=none"
-    device: str = ""  # its st_dev as "major:minor" (0:N for a file system on no block device)
 
 
 #: Kind, whether reads cross a network, whether the node shares pages read, by file-system type.
@@ -100,7 +99,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         sep = fields.index("-", 6)
         fs_type, source, super_opts = (fields[sep + 1 : sep + 4] + ["", ""])[:3]
         options = frozenset(fields[5].split(",")) | frozenset(super_opts.split(","))
-        mounts.append(Mount(_unescape(fields[4]), fs_type, _unescape(source), options, fields[2]))
+        mounts.append(Mount(_unescape(fields[4]), fs_type, _unescape(source), options))
     return mounts
 
 
@@ -182,11 +181,10 @@ def _probed(path: str) -> bool | None:
 def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None = None,
                  resolve: bool = True) -> StorageKind:
     """The kind of storage `path` (a file or directory) is on; `mountinfo`: a mount table's text (default: this
-    process's, whose disks this machine's sysfs shows: `one_stream` is only asked of them); `uncached`: whether a file there is served with direct_io, where known (else a FUSE mount's
+    process's); `uncached`: whether a file there is served with direct_io, where known (else a FUSE mount's
     file is probed); `resolve=False`: take the path as it is, without following its links (nothing on its mount
     is then touched)."""
     path = os.path.realpath(path) if resolve else path
-    here = mountinfo is None  # this machine's table: its devices are in this machine's sysfs
     if mountinfo is None:
         try:
             with open("/proc/self/mountinfo") as f:
@@ -198,21 +196,4 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
         return kind_of(MAGIC.get(statfs_type(path) or 0, "unknown"))
     fuse = mount.fs_type == "fuse" or mount.fs_type.startswith("fuse.")
     probed = (uncached if uncached is not None else _probed(path)) if fuse else None
-    kind = kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
-    return kind.model_copy(update={"one_stream": True}) if here and kind.name == "local" and one_stream(mount.device) \
-        else kind
-
-
-def one_stream(device: str, block: str = "/sys/dev/block") -> bool:
-    """Whether block device `device` ("major:minor") serves one sequential stream best: sysfs (`block`) shows it
-    rotational with one hardware queue (a partition answers for its disk). False where sysfs does not say: a
-    device-mapper or RAID device without queues of its own, a file system on no block device."""
-    try:
-        disk = os.path.realpath(os.path.join(block, device))
-        if os.path.exists(os.path.join(disk, "partition")):
-            disk = os.path.dirname(disk)
-        with open(os.path.join(disk, "queue", "rotational")) as f:
-            rotational = f.read().strip() == "1"
-        return rotational and len(os.listdir(os.path.join(disk, "mq"))) == 1
-    except OSError:
-        return False
+    return kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)

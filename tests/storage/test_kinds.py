@@ -12,7 +12,7 @@ import pytest
 import raylazy
 from raylazy.core.plans import Plan
 from raylazy.storage import LocalStorage, storage_for
-from raylazy.storage.kinds import MAGIC, kind_of, mount_of, one_stream, parse_mountinfo, statfs_type, storage_kind
+from raylazy.storage.kinds import MAGIC, kind_of, mount_of, parse_mountinfo, statfs_type, storage_kind
 
 #: Mount tables as the kernel writes them (/proc/self/mountinfo), one line per system, from hosts that have them.
 RECORDED = """\
@@ -94,61 +94,6 @@ def test_smb_uncached_and_a_probed_fuse_mount_share_no_pages():
     assert not kind_of("cifs", frozenset({"cache=none"})).page_cache
     assert not kind_of("fuse.juicefs", direct_io=True).page_cache  # a mount that turned direct_io on
     assert kind_of("fuse", source="mountpoint-s3", direct_io=False).page_cache  # ... or was given a cache
-
-
-def sysfs_disk(block, device: str, name: str, rotational: int, queues: int | None, partitions: tuple = ()):
-    """A disk as /sys/dev/block shows it: a link per device to its directory (a partition's inside its disk's),
-    `queue/rotational`, and an `mq/N` directory per hardware queue (none for a device without queues of its own)."""
-    disk = block.parent / "devices" / name
-    (disk / "queue").mkdir(parents=True)
-    (disk / "queue" / "rotational").write_text(f"{rotational}\n")
-    for q in range(queues or 0):
-        (disk / "mq" / str(q)).mkdir(parents=True)
-    block.mkdir(exist_ok=True)
-    (block / device).symlink_to(disk)
-    for part_device, part in partitions:
-        (disk / part).mkdir()
-        (disk / part / "partition").write_text("1\n")
-        (block / part_device).symlink_to(disk / part)
-
-
-def test_a_rotational_disk_with_one_hardware_queue_is_read_as_one_stream(tmp_path):
-    """As sysfs shows them: a hard disk or a virtual disk (virtio-blk: rotational, one queue) and its partition
-    serve one stream; an NVMe drive (not rotational, a queue a core), a rotational disk with several queues
-    (virtio-scsi's multiqueue), a device-mapper device (no queues of its own) and an unknown one do not."""
-    block = tmp_path / "block"
-    sysfs_disk(block, "254:0", "vda", 1, 1, [("254:1", "vda1")])
-    sysfs_disk(block, "259:0", "nvme0n1", 0, 8)
-    sysfs_disk(block, "8:0", "sda", 1, 4)
-    sysfs_disk(block, "253:0", "dm-0", 1, None)
-    got = {d: one_stream(d, str(block)) for d in ("254:0", "254:1", "259:0", "8:0", "253:0", "0:45", "")}
-    assert got == {"254:0": True, "254:1": True, "259:0": False, "8:0": False, "253:0": False, "0:45": False,
-                   "": False}
-
-
-def test_this_machines_disk_is_one_stream_as_sysfs_shows_its_device(tmp_path):
-    """The kind of a directory on this machine's disk says one stream exactly where the disk its st_dev names
-    (not the mount table's device) is rotational with one hardware queue."""
-    st = os.stat(tmp_path)
-    disk = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    if os.path.exists(os.path.join(disk, "partition")):
-        disk = os.path.dirname(disk)
-    try:
-        with open(os.path.join(disk, "queue", "rotational")) as f:
-            want = f.read().strip() == "1" and len(os.listdir(os.path.join(disk, "mq"))) == 1
-    except OSError:
-        want = False
-    kind = storage_kind(str(tmp_path))
-    assert kind.one_stream == (want and kind.name == "local")
-    assert ("one stream" in kind.describe()) == kind.one_stream
-
-
-def test_the_mount_table_names_each_mounts_device():
-    """Each mount's device, and another machine's table is not answered from this machine's sysfs (its 254:0,
-    here a virtio disk, may be anything there)."""
-    mounts = {m.mount_point: m.device for m in parse_mountinfo(RECORDED)}
-    assert (mounts["/"], mounts["/data"], mounts["/mnt/efs"]) == ("254:0", "254:16", "0:61")
-    assert not storage_kind("/srv/model", RECORDED, resolve=False).one_stream
 
 
 #: statfs f_type -> (kind, network, page cache shared): the magic numbers of linux/magic.h and the file systems'
