@@ -24,6 +24,7 @@ tried, and reverted"). benchmarks/vllm_load.py times the engine's own load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -48,28 +49,37 @@ from benchmarks.vllm_load import (  # noqa: E402
 )
 
 
+@contextlib.contextmanager
+def fresh_copy(cfg, loader):
+    """In a worker of a running engine (vLLM config `cfg`): a fresh copy of the served model, made by `loader` on
+    the CPU in the served dtype, with vLLM's config set for its load. The copy's attention layers register under
+    the served model's names: they are let, aside, for the copy only (the tests' harness loads copies this way
+    too: tests/support/vllm/engines.py)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    layers, cfg.compilation_config.static_forward_context = cfg.compilation_config.static_forward_context, {}
+    try:
+        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+            yield loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
+    finally:
+        cfg.compilation_config.static_forward_context = layers
+
+
 def step(worker, spec: str) -> tuple[float, float]:
     """In each worker: a fresh copy of the served model loaded with the format `spec`; the wall-clock start and end
     of its loader's `load_weights`."""
-    import torch
-    from vllm.config import set_current_vllm_config
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     fmt, extra = load_format(spec)
     options = {"model_loader_extra_config": extra} if fmt.startswith("raylazy") else extra
     loader, cfg = get_model_loader(LoadConfig(load_format=fmt, **options)), worker.vllm_config
-    # the copy's attention layers register under the serving model's names: let them, aside, for the copy only
-    layers, cfg.compilation_config.static_forward_context = cfg.compilation_config.static_forward_context, {}
-    try:
-        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
-            model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
-            start = time.time()
-            loader.load_weights(model, cfg.model_config)
-            end = time.time()
-    finally:
-        cfg.compilation_config.static_forward_context = layers
+    with fresh_copy(cfg, loader) as model:
+        start = time.time()
+        loader.load_weights(model, cfg.model_config)
+        end = time.time()
     del model
     gc.collect()  # the copy freed, cycles included, before the next load makes its own
     return start, end

@@ -50,11 +50,10 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     import logging
 
     import torch
-    from vllm.config import set_current_vllm_config
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from benchmarks.vllm_step import fresh_copy
     from raylazy.integrations import worker as raylazy_worker
     from raylazy.integrations.report import fields
 
@@ -71,12 +70,8 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("vllm.raylazy").addHandler(handler)
-    # The copy's attention layers register under the serving model's names: let them, aside, for the copy only.
-    layers = cfg.compilation_config.static_forward_context
-    cfg.compilation_config.static_forward_context = {}
     try:
-        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
-            model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
+        with fresh_copy(cfg, loader) as model:
             passes: list[int] = []  # the generation of each pass of the collector during raylazy's step
 
             def count(phase: str, info: dict) -> None:
@@ -98,7 +93,6 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
                 after = proc_io()
                 raylazy_worker.load_weights = step
     finally:
-        cfg.compilation_config.static_forward_context = layers
         logging.getLogger("vllm.raylazy").removeHandler(handler)
     digests = {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                for name, p in model.named_parameters()}
