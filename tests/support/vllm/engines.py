@@ -39,11 +39,6 @@ import os
 import sys
 
 
-def proc_io() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
-
-
 def loaded(worker, load_format: str, extra: dict) -> dict:
     """Runs in each worker: a fresh model loaded with `load_format` and `extra` (see the module's docstring)."""
     import hashlib
@@ -53,6 +48,7 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
+    from benchmarks.loaders.impls import proc_io
     from benchmarks.vllm_step import fresh_copy
     from raylazy.integrations import worker as raylazy_worker
     from raylazy.integrations.report import fields
