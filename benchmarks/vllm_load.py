@@ -189,14 +189,21 @@ def run_engine(args: list[str], tp: int, env: dict[str, str] | None = None) -> s
                               env=env)
 
 
+def spread(values, fmt=lambda v: f"{v:.3f}") -> str:
+    """"median (min-max)" of the values that are not None, each written by `fmt`; "-" where there are none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def uptime() -> str:
+    """The machine's load averages, as `uptime` prints them (the benchmarks print them before and after)."""
+    return os.popen("uptime").read().strip()
+
+
 def table(rows: list[dict]) -> list[str]:
     """Markdown rows: medians (min-max) per format, tp and cache state."""
-    def med(values, fmt):
-        values = [v for v in values if v is not None]
-        if not values:
-            return "-"
-        return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
-
     out = ["| format | tp | cache | dtype | runs | ready s | load s | node load s | device read MB | refaulted MB "
            "| mean request kB | processes read MB | worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows))
@@ -208,11 +215,11 @@ def table(rows: list[dict]) -> list[str]:
             out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | | | |")
             continue
         s, mb, kb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}"), (lambda v: f"{v / 1e3:.0f}")
-        out.append(f"| {spec} | {tp} | {cache} | {dtype} | {len(ok)} | {med([r['ready_s'] for r in ok], s)} | "
-                   f"{med([r['load_s'] for r in ok], s)} | {med([r['node_load_s'] for r in ok], s)} | "
-                   f"{med([r['disk_bytes'] for r in ok], mb)} | {med([r['refaulted_bytes'] for r in ok], mb)} | "
-                   f"{med([r['mean_request'] for r in ok], kb)} | {med([r['read_bytes'] for r in ok], mb)} | "
-                   f"{med([r['worker_max'] for r in ok], mb)} |")
+        out.append(f"| {spec} | {tp} | {cache} | {dtype} | {len(ok)} | {spread([r['ready_s'] for r in ok], s)} | "
+                   f"{spread([r['load_s'] for r in ok], s)} | {spread([r['node_load_s'] for r in ok], s)} | "
+                   f"{spread([r['disk_bytes'] for r in ok], mb)} | {spread([r['refaulted_bytes'] for r in ok], mb)} | "
+                   f"{spread([r['mean_request'] for r in ok], kb)} | {spread([r['read_bytes'] for r in ok], mb)} | "
+                   f"{spread([r['worker_max'] for r in ok], mb)} |")
     return out
 
 
@@ -313,7 +320,7 @@ def main(argv=None) -> int:
     for model, served in cases:
         print(f"checkpoint {model}: {sum(os.path.getsize(f) for f in checkpoint_files(model)) / 1e9:.2f} GB, "
               f"served as {served}", flush=True)
-    print(f"device {device.name or device.missing}; uptime before: {os.popen('uptime').read().strip()}", flush=True)
+    print(f"device {device.name or device.missing}; uptime before: {uptime()}", flush=True)
     rows = []
     for rep in range(args.runs):
         for tp in args.tp:
@@ -324,7 +331,7 @@ def main(argv=None) -> int:
                         r = {"run": rep, **r}
                         print(json.dumps(r), file=sys.stderr, flush=True)
                         rows.append(r)
-    print(f"uptime after: {os.popen('uptime').read().strip()}")
+    print(f"uptime after: {uptime()}")
     print("\n".join(table(rows) + [""] + paired(rows, args.formats[0])))
     return 0
 

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 
@@ -31,7 +30,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
-from benchmarks.vllm_load import SHAPES, compile_raylazy, measure, prepare, run_engine, run_options  # noqa: E402
+from benchmarks.vllm_load import (  # noqa: E402
+    SHAPES,
+    compile_raylazy,
+    measure,
+    prepare,
+    run_engine,
+    run_options,
+    spread,
+    uptime,
+)
 
 
 def worker_io(worker) -> dict:
@@ -72,8 +80,7 @@ def reload_run(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:
 
 def table(rows: list[dict]) -> list[str]:
     def med(key, fmt):
-        values = [r[key] for r in rows_of if r.get(key) is not None]
-        return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})" if values else "-"
+        return spread([r.get(key) for r in rows_of], fmt)
 
     out = ["| what | tp | cache | runs | seconds | worker read MB | node read MB | worker rchar MB | device read MB |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -107,7 +114,7 @@ def main(argv=None) -> int:
             shutil.copytree(source, step)
     device = Device(checkpoint_files(steps[1]))
     print(f"checkpoint {source}: {sum(map(os.path.getsize, checkpoint_files(source))) / 1e9:.2f} GB; uptime before: "
-          f"{os.popen('uptime').read().strip()}", flush=True)
+          f"{uptime()}", flush=True)
     rows = []
     for rep in range(args.runs):
         for tp in args.tp:
@@ -124,7 +131,7 @@ def main(argv=None) -> int:
                     r = {"run": rep, "what": what, "tp": tp, "cache": cache, **r}
                     print(json.dumps(r), file=sys.stderr, flush=True)
                     rows.append(r)
-    print(f"uptime after: {os.popen('uptime').read().strip()}")
+    print(f"uptime after: {uptime()}")
     print("\n".join(table(rows)))
     return 0
 

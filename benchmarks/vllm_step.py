@@ -28,7 +28,6 @@ import contextlib
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -46,6 +45,8 @@ from benchmarks.vllm_load import (  # noqa: E402
     prepare,
     run_engine,
     run_options,
+    spread,
+    uptime,
 )
 
 
@@ -107,14 +108,11 @@ def engine(model: str, formats: list[str], tp: int, cache: str, served: str, run
 
 def table(rows: list[dict]) -> list[str]:
     """Markdown rows: medians (min-max) of the slowest worker's step and the node's, per format and case."""
-    def med(values):
-        return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
     out = ["| format | tp | cache | dtype | loads | step s | node step s |", "|---|---|---|---|---|---|---|"]
     for key in dict.fromkeys((r["format"], r["tp"], r["cache"], r["dtype"]) for r in rows):
         of = [r for r in rows if (r["format"], r["tp"], r["cache"], r["dtype"]) == key]
-        out.append(f"| {' | '.join(map(str, key))} | {len(of)} | {med([r['load_s'] for r in of])} | "
-                   f"{med([r['node_load_s'] for r in of])} |")
+        out.append(f"| {' | '.join(map(str, key))} | {len(of)} | {spread([r['load_s'] for r in of])} | "
+                   f"{spread([r['node_load_s'] for r in of])} |")
     return out
 
 
@@ -126,7 +124,7 @@ def main(argv=None) -> int:
         engine(args.model, args.formats, args.tp[0], args.cache[0], args.served, args.runs)
         return 0
     compile_raylazy()
-    print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
+    print(f"uptime before: {uptime()}", flush=True)
     rows = []
     for tp in args.tp:
         for cache in args.cache:
@@ -142,7 +140,7 @@ def main(argv=None) -> int:
                 if done.returncode or len(got) < args.runs * len(args.formats):
                     print(f"{case}: the engine failed after {len(got)} loads: {done.stdout[-2000:]}", flush=True)
                 rows += got
-    print(f"uptime after: {os.popen('uptime').read().strip()}")
+    print(f"uptime after: {uptime()}")
     print("\n".join(table(rows) + [""] + paired(rows, args.formats[0])))
     return 0
 
