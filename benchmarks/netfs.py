@@ -244,7 +244,9 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
                 with self.lock:
                     if self.counts["stalled_at"] is None:
                         self.counts["stalled_at"] = time.monotonic()
-                self.answering.wait()
+                while not self.answering.wait(0.1):
+                    if not mounted(mountpoint):  # aborted and unmounted: end the read, or the server never ends
+                        raise mfusepy.FuseOSError(errno.EIO)
             if fault.get("fail"):
                 raise mfusepy.FuseOSError(int(fault["fail"]))
             return max(4096, size // 2) if fault.get("short") and size > 4096 else size
