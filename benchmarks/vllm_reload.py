@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
+from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.vllm_load import (  # noqa: E402
     SHAPES,
     compile_raylazy,
@@ -43,8 +44,8 @@ from benchmarks.vllm_load import (  # noqa: E402
 
 
 def worker_io(worker) -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+    """A worker's /proc/self/io (`collective_rpc` passes the worker)."""
+    return proc_io()
 
 
 def one(step0: str, step1: str, fmt: str, tp: int, cache: str) -> dict:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import raylazy
+from benchmarks.loaders.impls import proc_io
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import FileChangedError, RankFailedError, ReadError
@@ -36,7 +37,6 @@ from tests.support.measured import (
     io_delta,
     needed_pages,
     pages,
-    proc_io,
 )
 from tests.support.planlib import as_bytes
 from tests.support.raytest import check_loaded, check_ranks

@@ -1,8 +1,9 @@
 """What the system saw a reader do, measured outside raylazy: a process's I/O counters (/proc/<pid>/io), the file
 bytes its read and populate system calls covered (recorded in the process itself), and a cold page cache.
 
-- `proc_io`: rchar (bytes read calls returned, from storage or the page cache alike; mapped pages do not count) and
-  read_bytes (bytes the process made storage deliver: its read calls and its page faults alike, 0 on a warm cache).
+- `io_delta`: rchar (bytes read calls returned, from storage or the page cache alike; mapped pages do not count)
+  and read_bytes (bytes the process made storage deliver: its read calls and its page faults alike, 0 on a warm
+  cache) between two readings of `benchmarks.loaders.impls.proc_io`.
 - `SyscallLog`: installed in a rank's process (a forked one), it records every `os.pread`/`os.preadv` and every
   MADV_POPULATE_READ of raylazy's cooperative reader as (file, start, end), the file found from the descriptor or
   the mapping (/proc/self/maps). Two simulated nodes share one page cache, so what each node's ranks asked of
@@ -14,18 +15,8 @@ bytes its read and populate system calls covered (recorded in the process itself
 from __future__ import annotations
 
 import os
-import re
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-_IO_LINE = re.compile(rb"^(\w+): (\d+)$", re.M)
-
-
-def proc_io(pid: int | str = "self") -> dict[str, int]:
-    """/proc/<pid>/io as numbers, and `probe`: the bytes this reading itself returned (counted in this process's rchar
-    only after it)."""
-    with open(f"/proc/{pid}/io", "rb", buffering=0) as f:
-        text = f.read()
-    return {k.decode(): int(v) for k, v in _IO_LINE.findall(text)} | {"probe": len(text)}
 
 
 def io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

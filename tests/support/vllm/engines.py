@@ -52,6 +52,7 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     from benchmarks.vllm_step import fresh_copy
     from raylazy.integrations import worker as raylazy_worker
     from raylazy.integrations.report import fields
+    from tests.support.measured import io_delta
 
     fmt, _, variant = load_format.partition("+")
     cfg = worker.vllm_config
@@ -93,8 +94,7 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     digests = {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                for name, p in model.named_parameters()}
     return {"digests": digests, "numel": sum(p.numel() for p in model.parameters()),
-            "rchar": after["rchar"] - before["rchar"], "read_bytes": after["read_bytes"] - before["read_bytes"],
-            "collections": passes, "line": next(filter(None, map(fields, lines)), None)}
+            **io_delta(before, after), "collections": passes, "line": next(filter(None, map(fields, lines)), None)}
 
 
 def evict(model: str) -> None:
