@@ -20,15 +20,21 @@ def own_tmpdir():
     """The processes the tests start get a temporary directory of the session's (TMPDIR), removed at its end: what
     other programs leave in theirs goes with it (vLLM's engines' sockets and file stores, the forkserver directory
     of a Ray dashboard killed with its cluster, torchrun's agent's). Short, as unix sockets' paths under it must be
-    (Ray's). This process's own (`tempfile`'s, pytest's) stays the system's.
-
-    Ray's processes, started from here, also wait for a direct (RDT) transfer as long as the tests wait for its
-    result (180 s), not Ray's 60 s: with the suite's other stream busy, a gloo transfer once took longer."""
+    (Ray's). This process's own (`tempfile`'s, pytest's) stays the system's."""
     tempfile.gettempdir()  # read now, and kept for this process
     with tempfile.TemporaryDirectory(prefix="rlt") as tmp, pytest.MonkeyPatch.context() as env:
         env.setenv("TMPDIR", tmp)
-        env.setenv("RAY_rdt_fetch_fail_timeout_milliseconds", "180000")
         yield tmp
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_transfer_timeout():
+    """Every Ray the tests start waits for a direct (RDT) transfer as long as the tests wait for its result
+    (180 s), not Ray's 60 s: with the suite's other stream busy, a gloo transfer once took longer. Set before any
+    Ray starts: its processes read it as they start."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_rdt_fetch_fail_timeout_milliseconds", "180000")
+        yield
 
 
 def _build(tmp_path_factory, kind: str) -> str:
