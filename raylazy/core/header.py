@@ -47,9 +47,10 @@ from .dtypes import DTYPE_BITS, nbytes_of
 #: Largest header the reader accepts, as in huggingface/safetensors.
 MAX_HEADER_BYTES = 100_000_000
 #: Most ',' separators (JSON items) a header may hold, counted before parsing. Python's JSON parser
-#: needs ~47 s and 1.5 GB for a 100 MB header of 1.65 M tiny tensors (2 cores); this cap bounds that to a few
-#: seconds and a few hundred MB. Each tensor entry needs at least 4, so a file holds at most 2**18
-#: tensors (save_pretrained shards hold a few thousand), or that many metadata entries or shape dims.
+#: takes time and memory in proportion to the items, and a header within MAX_HEADER_BYTES can hold over a million
+#: tiny tensors; this cap bounds both, far above what a real header needs. Each tensor entry needs at least 4, so
+#: a file holds at most 2**18 tensors (save_pretrained shards hold a few thousand), or that many metadata entries
+#: or shape dims.
 #: The '[' and '{' (containers) are capped at the same number (each tensor entry needs 3).
 MAX_HEADER_ITEMS = 2**20
 #: Deepest nesting of JSON arrays and objects (the header's own object is level 1) that the reference

@@ -304,9 +304,8 @@ def _mapped_files(sources: dict) -> Iterator[dict]:
 def unmap_later(maps: dict) -> None:
     """Unmap the files mapped in `maps` (its values hold the last references to their `mapped` tensors or mmap
     objects), emptied at once, on a thread of its own, which ends with it: the kernel's teardown of a mapping's
-    page tables, which the caller need not wait for, took 4-9 ms for the 0.2 GB a tp=2 worker copies out of a
-    0.41 GB file, 22-45 ms for 0.41 GB (two processes at once, 2 cores). Each mapping's close lets go of the GIL
-    while the kernel unmaps it."""
+    page tables grows with the pages the copies touched, and the caller need not wait for it. Each mapping's close
+    lets go of the GIL while the kernel unmaps it."""
     held = list(maps.values())
     maps.clear()  # before the thread starts: the thread's list holds the last references, so it unmaps them
     if held:
@@ -387,8 +386,9 @@ def in_page_cache(address: int, length: int) -> bool:
 def cached_share(address: int, length: int, every: int = 2 << 20, most: int = 64) -> float:
     """The share of a file's mapping from `address` (page-aligned), `length` bytes, in the page cache, by a sample:
     one page every `every` bytes, or `most` pages evenly spread over a larger file, and the last (a mincore(2) of
-    one page each, about 2-3 us; 0 where it fails). A mincore of every page looks each one up: about 25 ms per GB
-    here; a page every 2 MiB, 0.14 s for a 140 GB checkpoint; the sample, at most 65 pages a file."""
+    one page each; 0 where it fails). A mincore of every page, or of a page every `every` bytes however large the
+    file, costs in proportion to the checkpoint (a page-cache lookup per page asked); the sample stays at
+    `most` + 1 pages a file."""
     step = max(every, -(-length // most))
     step += -step % mmap.PAGESIZE  # whole pages: mincore takes page-aligned addresses
     at = list(range(address, address + length, step)) + [address + length - 1 - (length - 1) % mmap.PAGESIZE]
