@@ -233,6 +233,11 @@ class StorageStallError(ReadError):
     """A storage request got no answer within `request_timeout_s` (a stalled mount or store); the read was given up."""
 
 
+class LazyWeightError(LoadError):
+    """A vLLM weight loader used a lazy weight in a way that cannot give eager torch's bytes (a view used after the
+    tensor it views was changed in place): raised instead of loading different weights."""
+
+
 class PeerFailedError(LoadError):
     """Exchanging bytes with the other ranks of a node failed: a peer rank failed, died or did not answer in time."""
 

@@ -23,28 +23,35 @@ from torch.utils._pytree import tree_map
 from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
 from ..core.dtypes import torch_dtype
+from ..errors import LazyWeightError
 
 
 @dataclass(frozen=True)
 class Lens:
     """How a lazy weight shows its region's box: its dim i is box dim `dims[i]` (None: a dim of size 1 it
-    added); box dims it does not show have size 1. `dtype` and `device`: conversions asked (None: none)."""
+    added); box dims it does not show have size 1. `dtypes`: the conversions asked, in turn (each one rounds as
+    torch's own would: a chain is not one conversion); `device`: the device asked (None: none)."""
 
     dims: tuple[int | None, ...]
-    dtype: torch.dtype | None = None
+    dtypes: tuple[torch.dtype, ...] = ()
     device: torch.device | None = None
 
     def of(self, box: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         """The weight's tensor from its box as read (`sizes`: the region's; a sub-byte dtype, read as uint8
         bytes, is returned as read)."""
-        t = self.shown(box, sizes)
-        if self.dtype is not None or self.device is not None:
-            t = t.to(device=self.device, dtype=self.dtype)
+        t = self.converted(self.shown(box, sizes), None)
+        return t if self.device is None else t.to(self.device)
+
+    def converted(self, t: torch.Tensor, into: torch.dtype | None) -> torch.Tensor:
+        """`t` through the conversions asked, the last left to a copy into a tensor of dtype `into` (which makes
+        it as it copies)."""
+        dtypes = self.dtypes[:-1] if self.dtypes[-1:] == (into,) else self.dtypes
+        for dtype in dtypes:
+            t = t.to(dtype)
         return t
 
     def shown(self, box: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-        """The box in the weight's shape, in the box's dtype and device (a copy into a tensor converts as it
-        copies: nothing converted first, in a tensor of its own)."""
+        """The box in the weight's shape, in the box's dtype and device."""
         if self.dims == tuple(range(len(sizes))) or tuple(box.shape) != sizes:
             return box
         kept = [d for d in self.dims if d is not None]
@@ -62,7 +69,32 @@ def lazy_weights(ckpt: Checkpoint, run) -> Iterator[tuple[str, LazyWeight]]:
     """(name, LazyWeight) for every tensor of the checkpoint, in file order; `run` (a `Recording`, or a
     `raylazy.integrations.serving.Serving`) takes their bytes and copies."""
     for fi, t in ckpt.tensors():
-        yield t.name, LazyWeight(run, Region.whole(fi, t), Lens(tuple(range(len(t.shape)))))
+        yield t.name, LazyWeight(run, Region.whole(fi, t), Lens(tuple(range(len(t.shape)))), _Memory())
+
+
+class _Memory:
+    """What the lazy weights that would be views of one tensor in eager torch share, as such views share its
+    memory: the tensors read for those of them an op raylazy cannot follow took, each with its region and its
+    version counter then. A weight still lazy whose region meets one of them that was written since (an in-place
+    op) would read what eager torch's view would not show: `check` makes that an error, never a silent
+    difference. A copy (`clone`, a conversion) has memory of its own."""
+
+    def __init__(self):
+        self.read: list[tuple[Region, torch.Tensor, int]] = []
+
+    def add(self, region: Region, t: torch.Tensor) -> None:
+        if not t.is_inference():  # an inference tensor counts no versions (vLLM loads outside inference mode)
+            self.read.append((region, t, t._version))
+
+    def check(self, region: Region) -> None:
+        for r, t, version in self.read:
+            if t._version != version and all(a < b + m and b < a + n for a, n, b, m in
+                                             zip(r.starts, r.sizes, region.starts, region.sizes)):
+                raise LazyWeightError(
+                    f"{region.tensor.name}: the weight loader changed this checkpoint tensor in place (through a "
+                    f"view of {list(r.sizes)} at {list(r.starts)}) and then used another view of it, which would "
+                    "show the change in eager torch; raylazy's lazy weights cannot: load this model with vLLM's "
+                    "default format, or have its loader clone() a weight before changing it")
 
 
 def _follows(method: Callable) -> Callable:
@@ -82,17 +114,21 @@ class LazyWeight:
     """A checkpoint tensor that reads nothing until used; rearranging it only changes its region and lens. Like
     a tensor, it takes attributes of the consumer's own (vLLM tags weights with a `shard_id`)."""
 
-    def __init__(self, run, region: Region, lens: Lens):
-        self.run, self.region, self.lens = run, region, lens
+    def __init__(self, run, region: Region, lens: Lens, memory: _Memory):
+        self.run, self.region, self.lens, self.memory = run, region, lens, memory
         self._data = None  # the tensor, once an op that cannot be followed read it
 
     def __repr__(self) -> str:
         return f"LazyWeight({self.region.tensor.name!r}, starts={self.region.starts}, sizes={self.region.sizes})"
 
-    def _with(self, region: Region | None = None, dims: tuple | None = None, **conversion) -> LazyWeight:
-        lens = Lens(self.lens.dims if dims is None else dims, conversion.get("dtype", self.lens.dtype),
+    def _with(self, region: Region | None = None, dims: tuple | None = None, copy: bool = False,
+              **conversion) -> LazyWeight:
+        """The weight as another view (`copy`: a copy, in memory of its own), its region, dims or conversions
+        changed."""
+        self.memory.check(self.region)
+        lens = Lens(self.lens.dims if dims is None else dims, conversion.get("dtypes", self.lens.dtypes),
                     conversion.get("device", self.lens.device))
-        return LazyWeight(self.run, region or self.region, lens)
+        return LazyWeight(self.run, region or self.region, lens, _Memory() if copy else self.memory)
 
     def _dim(self, dim: int, extra: int = 0) -> int:
         n = self.ndim + extra
@@ -125,7 +161,7 @@ class LazyWeight:
     def dtype(self) -> torch.dtype:
         if self._data is not None:
             return self._data.dtype
-        return self.lens.dtype or torch_dtype(self.region.tensor.dtype)
+        return self.lens.dtypes[-1] if self.lens.dtypes else torch_dtype(self.region.tensor.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +180,7 @@ class LazyWeight:
 
     @_follows
     def clone(self, memory_format=torch.preserve_format) -> LazyWeight:
-        return self._with()
+        return self._with(copy=True)
 
     @_follows
     def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
@@ -226,15 +262,20 @@ class LazyWeight:
         return self._with(dims=tuple(None if n == 1 else self.lens.dims[next(it)[0]] for n in shape))
 
     @_follows
-    def view(self, *shape):
-        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-            return self.materialize().view(shape[0])
+    def view(self, *shape, dtype: torch.dtype | None = None):
+        if dtype is not None or len(shape) == 1 and isinstance(shape[0], torch.dtype):
+            return self.materialize().view(dtype or shape[0])
         return self.reshape(*shape)
 
     @_follows
     def to(self, *args, **kwargs):
+        """A conversion (to another dtype or device: a copy, as torch makes one) or, to what it is, the weight."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # how torch itself reads to()'s arguments
-        return self._with(dtype=dtype or self.lens.dtype, device=device or self.lens.device)
+        dtypes = self.lens.dtypes + ((dtype,) if dtype is not None and dtype != self.dtype else ())
+        device = torch.device(device) if device is not None else None
+        if dtypes == self.lens.dtypes and device in (None, self.device):
+            return self
+        return self._with(copy=True, dtypes=dtypes, device=device or self.lens.device)
 
     def float(self): return self.to(torch.float32)  # noqa: E704
     def half(self): return self.to(torch.float16)  # noqa: E704
@@ -283,7 +324,9 @@ class LazyWeight:
     def materialize(self) -> torch.Tensor:
         """The weight as a tensor (for an op raylazy cannot follow: its region is read as far as narrowed)."""
         if self._data is None:
+            self.memory.check(self.region)
             self._data = self.lens.of(self.run.take(self.region), self.region.sizes)
+            self.memory.add(self.region, self._data)
         return self._data
 
     def __getattr__(self, name: str):
@@ -300,14 +343,25 @@ class LazyWeight:
         kwargs = kwargs or {}
         if args and isinstance(args[0], LazyWeight) and func in _FOLLOWED:
             return getattr(args[0], _FOLLOWED[func])(*args[1:], **kwargs)
-        if func is torch.Tensor.copy_ and len(args) == 2 and isinstance(args[1], LazyWeight) \
-                and args[1]._data is None and not isinstance(args[0], LazyWeight):
-            return args[1].run.copy_into(args[0], args[1])
-        if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], LazyWeight) \
-                and args[2]._data is None and isinstance(args[0], torch.Tensor) and _basic(args[1]):
-            args[2].run.copy_into(args[0][args[1]], args[2])
-            return None
+        if deferred(func, args):
+            weight = args[-1]
+            weight.memory.check(weight.region)
+            out = weight.run.copy_into(args[0] if func is torch.Tensor.copy_ else args[0][args[1]], weight)
+            return out if func is torch.Tensor.copy_ else None
         return func(*_materialized(args), **_materialized(kwargs))
+
+
+def deferred(func, args) -> bool:
+    """Whether torch function `func` on `args` is a copy of a lazy weight, not yet read, into a tensor:
+    `dst.copy_(weight)` or `dst[index] = weight` (an index that narrows or selects), which a run defers."""
+    if func is torch.Tensor.copy_:
+        return len(args) == 2 and isinstance(args[0], torch.Tensor) and _lazy(args[1])
+    return func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[0], torch.Tensor) and \
+        _lazy(args[2]) and _basic(args[1])
+
+
+def _lazy(value) -> bool:
+    return isinstance(value, LazyWeight) and value._data is None
 
 
 def _basic(key) -> bool:

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..core.boxes import Region
 from ..core.dtypes import itemsize, torch_dtype
-from .lazy import LazyWeight, Lens
+from .lazy import LazyWeight, Lens, deferred
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,19 @@ class Copy:
     lens: Lens
 
     def do(self, box: torch.Tensor) -> torch.Tensor:
-        """The copy, from the region's `box` as read, converted (dtype, device) as it is copied: one pass; none
-        where the box was read into `dst` itself."""
-        src = self.lens.shown(box, self.region.sizes)
-        if (src.data_ptr(), src.stride(), src.shape, src.dtype) != (self.dst.data_ptr(), self.dst.stride(),
-                                                                   self.dst.shape, self.dst.dtype):
+        """The copy, from the region's `box` as read, through the weight's conversions, the last made as it is
+        copied (one pass where there is one); none where the box was read into `dst` itself."""
+        src = self.lens.converted(self.lens.shown(box, self.region.sizes), self.dst.dtype)
+        if not _same_memory(src, self.dst):
             self.dst.copy_(src)
         return self.dst
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements of the same memory in the same order (whatever dims of size 1
+    they add or drop): a copy of one into the other would change nothing."""
+    return a.dtype == b.dtype and a.numel() == b.numel() and a.data_ptr() == b.data_ptr() and \
+        a.is_contiguous() and b.is_contiguous()
 
 
 class Recording:
@@ -139,7 +145,8 @@ def _tensors(value) -> list[torch.Tensor]:
 
 class _Watch(TorchFunctionMode):
     """Marks a recording not replayable at the first op that reads or writes bytes a deferred copy writes (which
-    the run has not written yet): a view of them, or their shape, is no use of their bytes."""
+    the run has not written yet), lazy weights among its arguments or not: a view of them, or their shape, is no
+    use of their bytes, and a copy the run defers is none either (it writes them in turn)."""
 
     def __init__(self, recording: Recording):
         super().__init__()
@@ -147,9 +154,10 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        copy = deferred(func, args)
         out = func(*args, **kwargs)
         rec = self.recording
-        if rec._written and rec.replayable and not any(issubclass(t, LazyWeight) for t in types):
+        if rec._written and rec.replayable and not copy:
             name = _op_name(func)
             if name not in _METADATA:
                 hit = [t for t in _tensors((args, kwargs)) if rec.overlaps(t)]
@@ -165,12 +173,17 @@ def _views_of(out, t: torch.Tensor) -> bool:
 
 
 def overlapping(tensors: list[torch.Tensor]) -> set[int]:
-    """Indices of the tensors whose memory overlaps another's."""
+    """Indices of the tensors whose memory overlaps another's: in order of where they start, one overlaps an
+    earlier one where it starts before the furthest end of those, and a later one where the next starts before
+    its own end."""
     spans = sorted((extent(t), i) for i, t in enumerate(tensors) if t.numel())
     hit: set[int] = set()
-    for ((k1, _, e1), i), ((k2, s2, _), j) in zip(spans, spans[1:]):
-        if k1 == k2 and s2 < e1:
-            hit |= {i, j}
+    reach = (None, 0)  # (storage, the furthest end so far in it)
+    for n, ((key, start, end), i) in enumerate(spans):
+        following = spans[n + 1][0] if n + 1 < len(spans) else (None, 0, 0)
+        if reach[0] == key and start < reach[1] or following[0] == key and following[1] < end:
+            hit.add(i)
+        reach = (key, max(end, reach[1]) if reach[0] == key else end)
     return hit
 
 
@@ -185,7 +198,7 @@ def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Ten
         if c.region in out or i in shared or itemsize(c.region.tensor.dtype) is None or not c.lens.in_order:
             continue
         d = c.dst
-        if (c.lens.dtype or stored) == stored == d.dtype and c.lens.device in (None, d.device) and \
+        if not c.lens.dtypes and stored == d.dtype and c.lens.device in (None, d.device) and \
                 d.device == device and d.is_contiguous() and d.numel() == prod(c.region.sizes):
             out[c.region] = d.view(c.region.sizes)
     return out

@@ -415,11 +415,12 @@ class Serving:
 
     def box(self, region: Region) -> torch.Tensor:
         """The region's box to copy out of, not to keep: a view of the file's mapping, else as read (`take`)."""
-        return self._mapped_box(region) if self._copied(region) else self.take(region)
+        return self._mapped_box(region) if self._copied(region) else self.take(region, keep=False)
 
-    def take(self, region: Region) -> torch.Tensor:
+    def take(self, region: Region, keep: bool = True) -> torch.Tensor:
         """The region's box (waits for its batch; out of the file's mapping, into memory of its own, where regions
-        are copied out of it); a region not wanted is read on its own, at once, and counted."""
+        are copied out of it); a region not wanted is read on its own, at once, and counted. `keep`: the taker may
+        write into it, so it is memory of its own (a copy of the box, but on its last take)."""
         if self._copied(region):  # its takes left never change: no batch holds it
             if not self._left.get(region):
                 self.stats.unplanned_regions += 1
@@ -428,13 +429,14 @@ class Serving:
             return self._mapped_box(region).clone()
         with self._cond:
             if self._left.get(region):
-                return self._take_wanted(region)
+                return self._take_wanted(region, keep)
         self.stats.unplanned_regions += 1
         self.stats.unplanned_bytes += region.nbytes
         return self.reads.read_alone(region)
 
-    def _take_wanted(self, region: Region) -> torch.Tensor:
-        """A wanted region with takes left (called holding the lock): waits for its batch, frees it on its last take."""
+    def _take_wanted(self, region: Region, keep: bool) -> torch.Tensor:
+        """A wanted region with takes left (called holding the lock): waits for its batch, frees it on its last take
+        (a copy of it for a take kept before that)."""
         b = self._batch_of[region]
         self._wanted = max(self._wanted, b)
         self._cond.notify_all()
@@ -444,7 +446,7 @@ class Serving:
             raise self._error
         self._left[region] -= 1
         if self._left[region]:
-            return self._ready[region]
+            return self._ready[region].clone() if keep else self._ready[region]
         if self._ring is None:  # its memory is the taker's: nothing else is read into it
             self._taken_all(b)
         return self._ready.pop(region)

@@ -158,7 +158,7 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
 
     def spy(serving):  # each take's copy starts late: the reader has time to reuse a buffer too early
         take = serving.take
-        serving.take = lambda region: buffers.add((t := take(region)).untyped_storage().data_ptr()) \
+        serving.take = lambda region, **kw: buffers.add((t := take(region, **kw)).untyped_storage().data_ptr()) \
             or time.sleep(0.01) or t
 
     rec, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, batches_ahead=1, backend="ranged")),
@@ -246,7 +246,7 @@ def test_a_node_copies_straight_out_of_the_files_mappings(llama_dir, monkeypatch
             rest = []
             for name, w in weights:
                 if name.endswith("post_attention_layernorm.weight"):
-                    again = w[:]
+                    again = w.clone()  # memory of its own, as in eager torch (a view would show the change)
                     params[name + ".scaled"] = w.mul_(2)  # read at once, written in place
                     params.setdefault(name, torch.empty(w.shape, dtype=dtype or w.dtype)).copy_(again)
                     cuts[name] = cuts[name + ".scaled"] = lambda t: t
