@@ -32,6 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from raylazy.core.schedule import with_node_schedules  # noqa: E402
+from raylazy.io.stats import io_delta, proc_io  # noqa: E402
 from raylazy.planning import make_plan  # noqa: E402
 from raylazy.storage import open_checkpoint  # noqa: E402
 
@@ -150,28 +151,12 @@ def mount_table_bytes() -> int:
         return len(f.read())
 
 
-def _rchar() -> int:
-    with open("/proc/self/io") as fh:
-        for line in fh:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/self/io")
-
-
 def measure_read_bytes(fn) -> tuple[object, int]:
-    """fn() and the bytes this process read (read/pread syscalls) while running it.
-
-    Reading /proc/self/io is itself a read that `rchar` counts, so the bytes an
-    empty measurement reports are subtracted.
-    """
-    if not os.path.exists("/proc/self/io"):
-        return fn(), -1
-    before = _rchar()
-    empty = _rchar() - before
-    before = _rchar()
+    """fn() and the bytes this process read (read/pread syscalls) while running it; -1 where /proc/self/io is
+    absent (the readings' own bytes are left out: `raylazy.io.stats.io_delta`)."""
+    before = proc_io()
     out = fn()
-    after = _rchar()
-    return out, after - before - empty
+    return out, -1 if before is None else io_delta(before, proc_io())["rchar"]
 
 
 def _timed(fn, runs: int) -> tuple[float, list[float], float]:

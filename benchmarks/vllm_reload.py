@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loaders.checkpoint import checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device  # noqa: E402
-from benchmarks.loaders.impls import proc_io  # noqa: E402
 from benchmarks.vllm_load import (  # noqa: E402
     SHAPES,
     compile_raylazy,
@@ -41,6 +40,7 @@ from benchmarks.vllm_load import (  # noqa: E402
     spread,
     uptime,
 )
+from raylazy.io.stats import proc_io  # noqa: E402
 
 
 def worker_io(worker) -> dict:

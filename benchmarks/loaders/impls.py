@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import resource
 import time
 from dataclasses import asdict, dataclass
 
-_IO_LINE = re.compile(rb"^(\w+): (\d+)$", re.M)
+from raylazy.io.stats import proc_io
 
 
 @dataclass(frozen=True)
@@ -234,14 +233,6 @@ def preload(loader: str) -> None:
 
 
 # --- measurements -------------------------------------------------------------------------------
-
-
-def proc_io(pid: str | int = "self") -> dict[str, int]:
-    """/proc/<pid>/io as numbers, and `probe`: the bytes this reading itself returned (counted in this process's
-    rchar only after it)."""
-    with open(f"/proc/{pid}/io", "rb", buffering=0) as f:
-        text = f.read()
-    return {k.decode(): int(v) for k, v in _IO_LINE.findall(text)} | {"probe": len(text)}
 
 
 def proc_status(pid: str | int = "self", keys=("VmRSS", "VmHWM", "RssAnon")) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 Eviction is `posix_fadvise(POSIX_FADV_DONTNEED)`, which drops a file's clean,
 unmapped pages (no `drop_caches`: other processes' caches stay). Residency is
-`mincore(2)` on a fresh PROT_READ mapping of the file, which faults nothing in.
+`mincore(2)` on a fresh PROT_READ mapping of the file (`raylazy.io.cooperative.pages_in_cache`), which faults nothing in.
 Holding is `mlock(2)` on such a mapping: a proactive reclaim (DAMON's pageout,
 which some virtual machines run) takes idle pages of a cached file within
 seconds, and a run that starts later would read them back one fault at a time.
@@ -18,13 +18,14 @@ import os
 import sys
 import time
 
+from raylazy.io.cooperative import pages_in_cache
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
 
@@ -43,11 +44,10 @@ def resident_bytes(path: str) -> int:
                 return 0
             raise OSError(err, f"mmap {path}")
         try:
-            pages = (size + PAGE - 1) // PAGE
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
+            pages = pages_in_cache(addr, size)
+            if pages is None:
                 raise OSError(ctypes.get_errno(), f"mincore {path}")
-            return sum(memoryview(vec).cast("B").tobytes().translate(bytes([0, 1] + [1] * 254))) * PAGE
+            return pages * PAGE
         finally:
             _libc.munmap(addr, size)
     finally:

@@ -16,6 +16,8 @@ import tempfile
 import threading
 import time
 
+from raylazy.io.stats import proc_io
+
 from . import impls
 from .diskstats import Reads
 
@@ -217,7 +219,7 @@ def run_raylazy(model_dir: str, tp: int, options: dict, active: list[int] | None
         return out
 
     sampler = Sampler(pids).start()
-    io0 = impls.proc_io()["read_bytes"]
+    io0 = proc_io()["read_bytes"]
     cpu0, t0 = time.process_time(), time.monotonic()
     try:
         loaded = raylazy.load(model_dir, tp, device="cpu", use_gpu=False, progress=False,
@@ -225,7 +227,7 @@ def run_raylazy(model_dir: str, tp: int, options: dict, active: list[int] | None
     finally:
         e2e = time.monotonic() - t0
         driver_cpu = time.process_time() - cpu0
-        driver_read = impls.proc_io()["read_bytes"] - io0  # planning: the headers, before the ranks start
+        driver_read = proc_io()["read_bytes"] - io0  # planning: the headers, before the ranks start
         peaks = sampler.stop()
     try:
         ranks = []

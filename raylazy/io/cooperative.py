@@ -376,11 +376,17 @@ def populating(spans: list[tuple], threads: int, chunk_bytes: int,
             w.join()
 
 
+def pages_in_cache(address: int, length: int) -> int | None:
+    """How many pages of `length` bytes of a file's mapping from `address` (page-aligned) are in the page cache
+    (mincore(2)); None where it fails."""
+    pages = (ctypes.c_char * -(-length // mmap.PAGESIZE))()
+    return None if _libc.mincore(address, length, pages) else bytes(pages).translate(_IN_CACHE).count(1)
+
+
 def in_page_cache(address: int, length: int) -> bool:
     """Whether every page of `length` bytes of a file's mapping from `address` (page-aligned) is in the page cache
-    (mincore(2); False where it fails)."""
-    pages = (ctypes.c_char * -(-length // mmap.PAGESIZE))()
-    return not _libc.mincore(address, length, pages) and 0 not in bytes(pages).translate(_IN_CACHE)
+    (False where mincore fails)."""
+    return pages_in_cache(address, length) == -(-length // mmap.PAGESIZE)
 
 
 def cached_share(address: int, length: int, every: int = 2 << 20, most: int = 64) -> float:
@@ -392,9 +398,7 @@ def cached_share(address: int, length: int, every: int = 2 << 20, most: int = 64
     step = max(every, -(-length // most))
     step += -step % mmap.PAGESIZE  # whole pages: mincore takes page-aligned addresses
     at = list(range(address, address + length, step)) + [address + length - 1 - (length - 1) % mmap.PAGESIZE]
-    page = ctypes.create_string_buffer(1)
-    cached = sum(not _libc.mincore(a, 1, page) and page.raw[0] & 1 for a in at)
-    return cached / len(at)
+    return sum(pages_in_cache(a, 1) or 0 for a in at) / len(at)
 
 
 def box_mappable(region: Region) -> bool:

@@ -3,6 +3,7 @@ read, and the thread-safe byte counter behind its progress."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -66,18 +67,26 @@ class ReadStats:
         return self.bytes_needed / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def proc_rchar() -> tuple[int, int] | None:
-    """(this process's rchar from /proc/self/io, the bytes this call read of that file: counted in rchar only
-    after it); None where the file is absent."""
+_IO_LINE = re.compile(rb"^(\w+): (\d+)$", re.M)
+
+
+def proc_io(pid: int | str = "self") -> dict[str, int] | None:
+    """/proc/<pid>/io as numbers (`rchar`: bytes the process's read calls returned, from storage or the page cache
+    alike; `read_bytes`: bytes it made storage deliver, its page faults included), and `probe`: the bytes this
+    reading itself read of that file, counted in the reading process's rchar only after it. None where the file
+    cannot be read."""
     try:
-        with open("/proc/self/io", "rb", buffering=0) as f:
+        with open(f"/proc/{pid}/io", "rb", buffering=0) as f:
             text = f.read()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith(b"rchar:"):
-            return int(line.split()[1]), len(text)
-    return None
+    return {k.decode(): int(v) for k, v in _IO_LINE.findall(text)} | {"probe": len(text)}
+
+
+def io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """rchar and read_bytes between two `proc_io()` readings of this process, the first reading's own bytes out."""
+    return {"rchar": after["rchar"] - before["rchar"] - before["probe"],
+            "read_bytes": after["read_bytes"] - before["read_bytes"]}
 
 
 class Meter:
@@ -85,14 +94,13 @@ class Meter:
     `stats.rchar`."""
 
     def __init__(self):
-        first = proc_rchar()
-        self.rchar = None if first is None else sum(first)  # this first reading's own bytes are not the read's
+        self.io = proc_io()
         self.start = time.perf_counter()
 
     def elapsed(self) -> tuple[float, int | None]:
         """(seconds, rchar bytes) since the meter was made."""
-        seconds, now = time.perf_counter() - self.start, proc_rchar()
-        return seconds, None if now is None or self.rchar is None else now[0] - self.rchar
+        seconds, now = time.perf_counter() - self.start, proc_io()
+        return seconds, None if now is None or self.io is None else io_delta(self.io, now)["rchar"]
 
     def stop(self, stats: ReadStats) -> ReadStats:
         stats.seconds, stats.rchar = self.elapsed()

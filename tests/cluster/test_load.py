@@ -32,6 +32,7 @@ import raylazy
 from raylazy.cluster.actor import RankLoader
 from raylazy.core.plans import format_bytes
 from raylazy.errors import PlacementError, RankFailedError, UnknownArchitectureError
+from raylazy.io.stats import proc_io
 from tests.support.checkpoints import shard_files
 from tests.support.measured import header_bytes
 from tests.support.planlib import as_bytes, reference_shard
@@ -67,16 +68,6 @@ CASES = [(k, tp, "auto") for k in KINDS for tp in TPS] + [(k, tp, "ranged") for 
 # --- helpers --------------------------------------------------------------------------------------
 
 
-def read_rchar(pid: int | str = "self") -> tuple[int, int]:
-    """(rchar, bytes this call read): rchar counts bytes returned by read syscalls (read, pread,
-    readv, preadv...) of a process so far, not yet including this read of /proc/<pid>/io."""
-    with open(f"/proc/{pid}/io", "rb", buffering=0) as f:
-        text = f.read()
-    match = re.search(rb"^rchar: (\d+)$", text, re.M)
-    assert match, f"/proc/{pid}/io has no rchar"
-    return int(match.group(1)), len(text)
-
-
 class RcharLoader(RankLoader):
     """A RankLoader that records its process's rchar at the start and end of `load()`."""
 
@@ -92,12 +83,12 @@ class RcharLoader(RankLoader):
         self._rchar: tuple[int, int] | None = None
 
     def load(self, plan, options, node_read=None):
-        before, probe = read_rchar()
+        before = proc_io()
         try:
             return super().load(plan, options, node_read)
         finally:
-            # the bytes of the first probe itself count between the two readings: leave them out
-            self._rchar = (before + probe, read_rchar()[0])
+            # the bytes of the first reading itself count between the two readings: leave them out
+            self._rchar = (before["rchar"] + before["probe"], proc_io()["rchar"])
 
     def rchar_window(self) -> tuple[int, int] | None:
         """(rchar when load() started, rchar when it ended)."""
@@ -235,7 +226,7 @@ class TestShards:
         kind, tp, model_dir, loaded = case
         windows = ray.get([a.rchar_window.remote() for a in loaded.actors], timeout=60)
         for rp, info, (start, end), stats in zip(loaded.plan.ranks, loaded.ranks, windows, loaded.stats):
-            assert read_rchar(info.pid)[0] >= end  # the driver sees the same process (actors run locally)
+            assert proc_io(info.pid)["rchar"] >= end  # the driver sees the same process (actors run locally)
             reads = [r for t in rp.tensors for r in t.reads]
             headers = sum(header_bytes(loaded.plan.files[i].uri) for i in {r.file for r in reads})
             data = 0 if stats.backend == "cooperative" else sum(r.span if r.gather else r.count * r.length for r in reads)

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import raylazy
-from benchmarks.loaders.impls import proc_io
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import FileChangedError, RankFailedError, ReadError
 from raylazy.io.backends import node_read
 from raylazy.io.cooperative import read_rank_cooperative, shm_dir
+from raylazy.io.stats import io_delta, proc_io
 from raylazy.planning import make_plan
 from tests.support import RANK_PROCESSES
 from tests.support.measured import (
@@ -34,7 +34,6 @@ from tests.support.measured import (
     assert_header_checks_only,
     cold,
     header_bytes,
-    io_delta,
     needed_pages,
     pages,
 )
@@ -336,10 +335,10 @@ def test_the_cached_share_is_a_sample_of_what_the_page_cache_holds(tmp_path, mon
     from raylazy.io import cooperative
     from raylazy.io.cooperative import cached_share, in_page_cache
 
-    calls, mincore = [], cooperative._libc.mincore
-    monkeypatch.setattr(cooperative._libc, "mincore", lambda *a: calls.append(a[1]) or mincore(*a))
     size = 64 << 20
-    with _evicted_mapping(tmp_path, size) as (m, path):
+    with _evicted_mapping(tmp_path, size) as (m, path):  # its eviction's check asks mincore too: counted from here
+        calls, mincore = [], cooperative._libc.mincore
+        monkeypatch.setattr(cooperative._libc, "mincore", lambda *a: calls.append(a[1]) or mincore(*a))
         assert cached_share(m.data_ptr(), size) == 0 and calls == [1] * 33
         with open(path, "rb") as f:
             f.read(size // 2)

@@ -1,9 +1,9 @@
-"""What the system saw a reader do, measured outside raylazy: a process's I/O counters (/proc/<pid>/io), the file
-bytes its read and populate system calls covered (recorded in the process itself), and a cold page cache.
+"""What the system saw a reader do, measured outside raylazy's readers: the file bytes a process's read and
+populate system calls covered (recorded in the process itself), and a cold page cache. A process's I/O counters
+(/proc/<pid>/io) are read by `raylazy.io.stats.proc_io`, and `io_delta` gives rchar (bytes read calls returned,
+from storage or the page cache alike; mapped pages do not count) and read_bytes (bytes the process made storage
+deliver: its read calls and its page faults alike, 0 on a warm cache) between two readings.
 
-- `io_delta`: rchar (bytes read calls returned, from storage or the page cache alike; mapped pages do not count)
-  and read_bytes (bytes the process made storage deliver: its read calls and its page faults alike, 0 on a warm
-  cache) between two readings of `benchmarks.loaders.impls.proc_io`.
 - `SyscallLog`: installed in a rank's process (a forked one), it records every `os.pread`/`os.preadv` and every
   MADV_POPULATE_READ of raylazy's cooperative reader as (file, start, end), the file found from the descriptor or
   the mapping (/proc/self/maps). Two simulated nodes share one page cache, so what each node's ranks asked of
@@ -17,12 +17,6 @@ from __future__ import annotations
 import os
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """rchar and read_bytes between two `proc_io("self")` readings of one process (the first reading's own bytes out)."""
-    return {"rchar": after["rchar"] - before["rchar"] - before["probe"],
-            "read_bytes": after["read_bytes"] - before["read_bytes"]}
 
 
 def header_bytes(path: str) -> int:
