@@ -60,7 +60,7 @@ S3_FIRST_BYTE_S = 0.010
 
 def _cluster(nodes: int):
     """A loopback Ray cluster: one 8-CPU node, or four 2-CPU nodes (ranks packed two a node, or spread)."""
-    from tests.support.raytest import start_cluster
+    from .harness.ray_clusters import start_cluster
 
     if nodes == 1:
         return start_cluster(dict(num_cpus=8, include_dashboard=False), [])
@@ -121,8 +121,7 @@ def measure(model_dir: str, names: set[str] | None = None, repeat: int = 1, log=
     rotating between repeats; one record per run and repeat."""
     import ray
 
-    from tests.support.raytest import stop_cluster
-
+    from .harness.ray_clusters import stop_cluster
     from .s3server import S3Server
 
     runs = [r for r in RUNS if names is None or r[0] in names]

@@ -4,7 +4,7 @@ Run with this environment's python (its transformers writes the checkpoints), fr
 
     python -m benchmarks.vllm_matrix [--archs falcon gpt2 ...] [--backend ranged] [--dtype bfloat16]
 
-Each architecture of tests/integrations/test_vllm_matrix.py (default: all but those it leaves out) is written
+Each architecture of the vLLM matrix (benchmarks/harness/vllm_engines.py; default: all but those it leaves out) is written
 tiny and random by transformers and served at tp=2 by vLLM's CPU build in its virtualenv (the tests' cached one,
 built on first use by `python -m pytest tests/integrations/test_vllm_matrix.py`), one engine after the other in
 one process; no checks, no generation beyond the harness's. Per architecture and worker, from raylazy's log line
@@ -24,8 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.integrations.test_vllm import _venv_dir  # noqa: E402
-from tests.integrations.test_vllm_matrix import ARCHS, LEFT_OUT, serve  # noqa: E402
+from benchmarks.harness.vllm_engines import ARCHS, LEFT_OUT, serve, venv_dir  # noqa: E402
 
 
 def table(results: dict[str, dict]) -> list[str]:
@@ -50,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="ranged", help="raylazy's backend (model_loader_extra_config)")
     ap.add_argument("--dtype", default="bfloat16", help="the engines' dtype (the checkpoints are bfloat16)")
     args = ap.parse_args(argv)
-    python = _venv_dir() / "bin" / "python"
+    python = venv_dir() / "bin" / "python"
     if not python.exists():
         sys.exit(f"no vLLM virtualenv at {python.parent.parent}: run python -m pytest tests/integrations/test_vllm_matrix.py")
     with tempfile.TemporaryDirectory() as root:

@@ -55,7 +55,7 @@ def fresh_copy(cfg, loader):
     """In a worker of a running engine (vLLM config `cfg`): a fresh copy of the served model, made by `loader` on
     the CPU in the served dtype, with vLLM's config set for its load. The copy's attention layers register under
     the served model's names, so the served model's registrations are set aside while the copy is made and put
-    back after (the tests' harness loads copies this way too: tests/support/vllm/engines.py)."""
+    back after (the tests' harness loads copies this way too: benchmarks/harness/engines.py)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype

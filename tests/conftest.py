@@ -115,7 +115,7 @@ def two_node_cluster(llama_dir):
 
     import ray
 
-    from tests.support.raytest import start_cluster, stop_cluster
+    from benchmarks.harness.ray_clusters import start_cluster, stop_cluster
 
     if ray.is_initialized():  # the session's ray_local: these tests need a cluster of their own
         ray.shutdown()

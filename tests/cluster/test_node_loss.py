@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from benchmarks.harness.ray_clusters import start_cluster, stop_cluster
 from tests.support import REPO
 from tests.support.faults import (
     blocking_loader,
@@ -23,8 +24,6 @@ from tests.support.raytest import (
     check_loaded,
     live,
     load_with,
-    start_cluster,
-    stop_cluster,
     wait_for,
     where_am_i,
 )

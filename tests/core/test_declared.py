@@ -21,12 +21,12 @@ import json
 import os
 import subprocess
 import sys
-import zlib
 
 import pytest
 import torch
 
 import raylazy
+from benchmarks.harness.tiny_checkpoints import write_checkpoint
 from raylazy.core.declared import transformers_version
 from raylazy.core.placements import Replicated
 from raylazy.core.rules import Rule, _first_match, planned_types
@@ -38,12 +38,7 @@ from tests.support.planlib import apply_reads, as_bytes, read_files
 TP = 2
 #: The development tools (tools/declared_plans.py: the table's generator).
 TOOLS = REPO / "tools"
-#: Sizes every architecture gets (vLLM-free: head_dim 16 is fine for transformers on CPUs).
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             num_hidden_layers=2, vocab_size=256, moe_intermediate_size=32, num_local_experts=4, num_experts=4,
-             n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
-             eos_token_id=2)
-#: Architecture -> (model type, sizes beyond SMALL).
+#: Architecture -> (model type, sizes beyond `tiny_checkpoints.SMALL`).
 ARCHS: dict[str, tuple[str, dict]] = {t: (t, {}) for t in (
     "apertus", "arcee", "codegen", "cohere", "cohere2", "deepseek_v2", "deepseek_v3", "ernie4_5", "exaone4", "gemma",
     "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe",
@@ -101,27 +96,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("arch", _selected(metafunc.config))
 
 
-def write_checkpoint(arch: str, root: str, sizes: dict | None = None, model_type: tuple[str, dict] | None = None) -> str:
-    """`arch` written by transformers' save_pretrained in shards, every parameter drawn at random (seeded); `sizes`
-    replace SMALL's; `model_type`: (model type, sizes beyond, None dropping one) for an architecture ARCHS does not
-    name."""
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    kind, extra = model_type or ARCHS[arch]
-    config = AutoConfig.for_model(kind, **{k: v for k, v in {**SMALL, **(sizes or {}), **extra}.items() if v is not None})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(zlib.crc32(arch.encode()))
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=generator).to(p.dtype))
-    out = os.path.join(root, arch)
-    model.save_pretrained(out, max_shard_size="100KB")
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_tp(request, tmp_path_factory):
     """{arch: (checkpoint dir, [each rank's {disk name: part}], {disk name: transformers' style})} of the selected
@@ -129,7 +103,7 @@ def hf_tp(request, tmp_path_factory):
     from safetensors.torch import load_file
 
     root, out = tmp_path_factory.mktemp("declared"), tmp_path_factory.mktemp("hf_tp")
-    dirs = {a: write_checkpoint(a, str(root)) for a in _selected(request.config)}
+    dirs = {a: write_checkpoint(a, str(root), ARCHS[a]) for a in _selected(request.config)}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TP}",
                            os.path.join(REPO, "tests", "support", "hf_tp_worker.py"), "--out", str(out), *dirs.values()],

