@@ -6,9 +6,14 @@ read-only and copy one (shutil.copytree) before changing anything in it.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -97,7 +102,8 @@ def ray_local():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
+        with shared_rays():
+            ray.init(logging_level=logging.WARNING, **LOCAL_RAY_INIT)
     yield
     if ray.is_initialized():
         ray.shutdown()
@@ -124,7 +130,8 @@ def two_node_cluster(llama_dir):
         # ray_constants when this process imported ray, so that copy is patched too.
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-        cluster = start_cluster(dict(num_cpus=2, num_gpus=2, include_dashboard=False), [dict(num_cpus=2, num_gpus=2)])
+        with shared_rays():
+            cluster = start_cluster(dict(num_cpus=2, num_gpus=2, include_dashboard=False), [dict(num_cpus=2, num_gpus=2)])
         try:
             ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
             yield cluster
@@ -133,45 +140,111 @@ def two_node_cluster(llama_dir):
             stop_cluster(cluster)
 
 
+# --- two streams: the tests that start processes of their own, and the rest ----------------------------------
+
 #: The suite runs as two streams side by side (pyproject.toml's addopts: pytest-xdist with two workers): the tests
-#: below, which do their work in processes of their own (vLLM's engines, torchrun, Ray clusters of their own), and
-#: the rest, on the session's local Ray. Each stream runs in its collected order in one worker, so the session
-#: fixtures, the local Ray and the ordering below hold within it as in a plain run (docs/testing.md, "Two streams").
-OWN_PROCESSES = (
-    "tests/integrations/test_vllm.py",  # vLLM's engines, in vLLM's virtualenv
-    "tests/integrations/test_declared_vllm.py",
-    "tests/integrations/test_vllm_reload.py",
-    "tests/integrations/test_vllm_matrix.py",
-    "tests/core/test_declared.py",  # transformers' tensor-parallel loading under torchrun
-    "tests/examples/",  # a Ray job, the notebook and the fake autoscaler, each on a Ray of its own
-    "tests/cluster/test_node_loss.py",  # a four-node Ray in a subprocess
-    "tests/cluster/test_placement.py::test_embedded_default_loads_any_tp_on_two_cores",  # raylazy's own Ray
-    "tests/cluster/test_start.py::test_the_ray_raylazy_starts_has_torch_imported_in_its_workers",
-    "tests/cluster/test_reload.py::test_rl_reload_loop_example_runs_small",
-)
+#: marked `own_processes`, which do their work in processes of their own (vLLM's engines, torchrun, Ray clusters of
+#: their own), and the rest, on the session's local Ray. Each stream runs in its collected order in one worker, so
+#: the session fixtures, the local Ray and the ordering below hold within it as in a plain run (docs/testing.md,
+#: "Two streams"). `undeclared_processes` fails a test that starts a Ray or vLLM's engines without the mark.
+OWN = "own_processes"
+#: The session directories of the Rays the shared-Ray fixtures started (`shared_rays`).
+SHARED_RAYS: set[str] = set()
+#: The commands run by the test running now, while it is not marked `own_processes` (None otherwise).
+_spawned: list[list[str]] | None = None
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen" and _spawned is not None:  # args: (executable, args, cwd, env)
+        _spawned.append([str(a) for a in args[1]] if isinstance(args[1], (list, tuple)) else [str(args[1])])
+
+
+sys.addaudithook(_audit)
+
+
+def _ray_sessions() -> set[str]:
+    """The session directories of every Ray this session's processes started: Ray's temp root is TMPDIR/ray, and
+    `own_tmpdir` gives every process the tests start the same TMPDIR."""
+    return set(glob.glob(os.path.join(os.environ["TMPDIR"], "ray", "session_2*")))
+
+
+@contextlib.contextmanager
+def shared_rays():
+    """The Rays started inside are the shared stream's own (`ray_local`, `two_node_cluster`)."""
+    before = _ray_sessions()
+    yield
+    SHARED_RAYS.update(_ray_sessions() - before)
+
+
+def _own_process(argv: list[str]) -> str | None:
+    """What a command the test ran starts of its own that calls for the mark, if anything."""
+    from benchmarks.harness.vllm_engines import venv_dir
+
+    if argv and argv[0].startswith(str(venv_dir())):
+        return f"vLLM's virtualenv's python (vLLM's engines): {' '.join(argv)[:200]}"
+    if argv and os.path.basename(argv[0]) == "ray" and "start" in argv:
+        return f"a Ray: {' '.join(argv)[:200]}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def undeclared_processes(request):
+    """Fails a test not marked `own_processes` that starts a Ray (one whose session lands in TMPDIR/ray: a ray.init
+    of its own, a `ray.cluster_utils.Cluster`, a subprocess that starts one), runs `ray start`, or runs vLLM's
+    virtualenv's python (vLLM's engines): unmarked, it would run in the stream on the shared Ray."""
+    global _spawned
+    if request.node.get_closest_marker(OWN):
+        yield
+        return
+    before, _spawned = _ray_sessions(), []
+    try:
+        yield
+    finally:
+        spawned, _spawned = _spawned, None
+    started = [f"a Ray ({s})" for s in sorted(_ray_sessions() - before - SHARED_RAYS)]
+    started += [w for w in map(_own_process, spawned) if w]
+    if started:
+        pytest.fail(f"{request.node.nodeid} started processes of its own without @pytest.mark.{OWN}: "
+                    f"{'; '.join(started)}. Mark it, so that it runs in the stream of its own (docs/testing.md, "
+                    '"Two streams").', pytrace=False)
+
+
+def _marked_file(workerinput: dict) -> Path:
+    """Where an xdist worker leaves the ids of the collected tests marked `own_processes`, for the scheduler."""
+    return Path(tempfile.gettempdir()) / f"raylazy-{OWN}-{workerinput['testrunuid']}-{workerinput['workerid']}.json"
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scope scheduling with one scope per stream: a worker takes a whole stream. (Its own
-    `xdist_group` marks cannot do this on pytest 9.2, whose node ids pytest-xdist 3.8 can no longer suffix with the
-    group.)"""
+    """pytest-xdist's scope scheduling with one scope per stream: a worker takes a whole stream. The controller
+    collects nothing: each worker writes which of its tests are marked (`pytest_collection_modifyitems`) before it
+    sends its collection. (pytest-xdist's own `xdist_group` marks cannot do this on pytest 9.2, whose node ids
+    pytest-xdist 3.8 can no longer suffix with the group.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class Streams(LoadScopeScheduling):
+        def add_node_collection(self, node, collection) -> None:
+            path = _marked_file(node.workerinput)
+            self.own = set(json.loads(path.read_text()))  # every worker collects the same tests
+            path.unlink()
+            super().add_node_collection(node, collection)
+
         def _split_scope(self, nodeid: str) -> str:
-            return "own processes" if nodeid.startswith(OWN_PROCESSES) else "session ray"
+            return "own processes" if nodeid in self.own else "session ray"
 
     return Streams(config, log)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture scope
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The tests on `two_node_cluster` run last, in their collected order: the cluster is started once for all of
-    them, and no test that wants the session's local Ray (`ray_local`) comes after it."""
+    them, and no test that wants the session's local Ray (`ray_local`) comes after it. In an xdist worker, the ids
+    of the tests marked `own_processes` are written for the scheduler."""
     items[:] = ([i for i in items if "two_node_cluster" not in i.fixturenames]
                 + [i for i in items if "two_node_cluster" in i.fixturenames])
+    if hasattr(config, "workerinput"):
+        _marked_file(config.workerinput).write_text(json.dumps([i.nodeid for i in items if i.get_closest_marker(OWN)]))
 
 
 # --- object storage -----------------------------------------------------------------------------------

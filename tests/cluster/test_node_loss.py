@@ -28,6 +28,8 @@ from tests.support.raytest import (
     where_am_i,
 )
 
+pytestmark = pytest.mark.own_processes  # a four-node Ray in a subprocess
+
 #
 # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported: set later (as the test process
 # must, having imported Ray long before), the driver dials the GCS of a loopback-only Cluster at the

@@ -93,6 +93,7 @@ def test_a_request_that_can_never_be_placed_fails_at_once(llama_dir, ray_local, 
     assert _groups() == before  # nothing was created
 
 
+@pytest.mark.own_processes  # raylazy's own Ray
 @pytest.mark.slow
 def test_embedded_default_loads_any_tp_on_two_cores(tmp_path):
     """The README's quick start, `raylazy load --tp 4` with no cluster: raylazy's own local Ray shares 2 CPUs among

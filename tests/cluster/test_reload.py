@@ -377,6 +377,7 @@ def test_a_second_ctrl_c_during_cleanup_leaks_nothing(llama_dir, ray_local, tmp_
 # --- the example -------------------------------------------------------------------------------------
 
 
+@pytest.mark.own_processes  # the example starts a Ray of its own
 @pytest.mark.ray
 def test_rl_reload_loop_example_runs_small(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}

@@ -60,6 +60,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.own_processes  # the Ray raylazy starts
 @pytest.mark.ray
 def test_the_ray_raylazy_starts_has_ranks_on_workers_that_imported_torch_not_the_driver():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

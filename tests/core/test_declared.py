@@ -35,6 +35,8 @@ from tests.support import REPO
 from tests.support.checkpoints import reference_tensors
 from tests.support.planlib import apply_reads, as_bytes, read_files
 
+pytestmark = pytest.mark.own_processes  # transformers' tensor-parallel loading under torchrun
+
 TP = 2
 #: The development tools (tools/declared_plans.py: the table's generator).
 TOOLS = REPO / "tools"

@@ -25,6 +25,8 @@ import pytest
 
 from tests.support import REPO
 
+pytestmark = pytest.mark.own_processes  # a Ray job, the notebook and the fake autoscaler, each on a Ray of its own
+
 REPO = str(REPO)
 EXAMPLES = os.path.join(REPO, "examples")
 

@@ -27,6 +27,8 @@ from tests.core.test_declared import ARCHS as DECLARED
 from tests.integrations.test_vllm import vllm_python  # noqa: F401  (the fixture)
 from tests.support import REPO
 
+pytestmark = pytest.mark.own_processes  # vLLM's engines, in vLLM's virtualenv
+
 TP = 2
 ARCHS = ("apertus", "arcee", "cohere", "cohere2", "deepseek_v2", "ernie4_5", "exaone4", "gemma", "gemma2",
          "gemma3_text", "glm4", "gpt_neox", "granite", "helium", "llama", "ministral3", "mistral", "mixtral", "olmo",

@@ -64,7 +64,7 @@ NODE_CHECKS = [{"name": "exchange", "format": "raylazy", "extra": {"backend": "e
                {"name": "rerun", "format": "raylazy", "extra": {"replay": False, "warm_copies": False}},
                {"name": "cold", "format": "raylazy", "cold": True}]
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.own_processes, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def _step(cmd: list, what: str) -> None:

@@ -27,7 +27,7 @@ from tests.integrations.test_vllm import _same_weights, vllm_python  # noqa: F40
 #: What the suite runs: Falcon (a view that regroups its fused q|k|v, read at once) and GPT-2 (Conv1D, transposed).
 SUITE = ("falcon", "gpt2")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.own_processes, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 def _selected(config) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42, 9, 8, 7]]
 #: A batch of 64 KiB: the Llama's 0.85 MB are read in many batches (a fault can strike between them).
 SMALL_BATCHES = {"backend": "ranged", "batch_bytes": 65536}
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.own_processes, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
