@@ -15,12 +15,11 @@ from vllm.logger import init_logger
 from ..core.checkpoint import Checkpoint
 from ..io.stats import Meter
 from ..storage import open_checkpoint
-from .lazy import lazy_weights
 from .options import LazyOptions
-from .recording import Recording, in_place, overlapping, wanted
 from .reload import keep, weights_for_reload
 from .report import summary
-from .serving import AtOnce, NodeGroup, ProcessGroupNode, RegionReader, Serving
+from .runs import at_once, recorded
+from .serving import NodeGroup, ProcessGroupNode, RegionReader
 
 logger = init_logger("vllm.raylazy")
 
@@ -33,9 +32,10 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Laz
     device, group = next(model.parameters()).device, _workers()
     with RegionReader(ckpt, options) as reads:
         if reads.copies_at_once():
-            loaded, mode, why, takes = _at_once(model, ckpt, reads, group)
+            loaded, mode, why, takes = at_once(model.load_weights, ckpt, reads, group)
         else:
-            loaded, mode, why, takes = _recorded(model, ckpt, reads, options, device, group)
+            loaded, mode, why, takes = recorded(model.load_weights, lambda: itertools.chain(
+                model.parameters(), model.buffers()), ckpt, reads, options, device, group)
     params = sum(p.nbytes for p in model.parameters())  # one call through each vLLM parameter's torch function
     seconds, rchar = meter.elapsed()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -48,39 +48,6 @@ def reload_weights(model: torch.nn.Module, model_config: ModelConfig, options: L
     """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now names,
     as lazy weights served synchronously (`raylazy.integrations.reload`)."""
     return weights_for_reload(model, model_config, options, checkpoint, _workers(), logger)
-
-
-def _at_once(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, group: NodeGroup | None):
-    """The model's `load_weights` once, over lazy weights copied out of the page cache as it asks, then this
-    worker's part in the load's gathering (`AtOnce`: workers of the engine that found the checkpoint elsewhere
-    record, and read together without it): (what it loaded, mode, why, each region's takes)."""
-    with AtOnce(reads, group) as run:
-        loaded = model.load_weights(lazy_weights(ckpt, run))
-    return loaded, "at-once", "the checkpoint in the page cache", dict(run.taken)
-
-
-def _recorded(model: torch.nn.Module, ckpt: Checkpoint, reads: RegionReader, options: LazyOptions,
-              device: torch.device, group: NodeGroup | None):
-    """The model's `load_weights` recorded over lazy weights, the regions read (with the node's workers), then the
-    recording replayed or the model run again: (what it loaded, mode, why not a replay, each region's takes)."""
-    recording = Recording(reads.read_alone)
-    with recording.watching():
-        loaded = model.load_weights(lazy_weights(ckpt, recording))
-    recording.check_targets(itertools.chain(model.parameters(), model.buffers()))
-    replay = options.replay and recording.replayable
-    out = in_place(recording.copies, device) if replay else {}
-    takes = wanted(recording.copies, None if replay else recording.opaque)
-    ordered = replay and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
-    # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
-    with Serving(reads, takes, out, group, device if replay else "cpu", ordered) as serving:
-        if replay:
-            serving.replay(recording.copies)
-        else:
-            loaded = model.load_weights(lazy_weights(ckpt, serving))
-    reads.stats.count_opaque(recording.opaque)
-    # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
-    return (loaded, "replay" if replay else "rerun", recording.why_not_replayable,
-            wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}))
 
 
 def checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:

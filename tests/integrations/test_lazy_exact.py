@@ -1,0 +1,399 @@
+"""Lazy weights against eager torch, differentially: random but ordinary weight-loader programs (chains of narrow,
+select, indexing, chunk, split, unbind, view/reshape, view(dtype), transpose/t/T/permute, to(dtype), contiguous,
+clone; copies into parameters, fused and stacked parameters, scales stored by index, in-place ops after a copy,
+cat/stack) over a checkpoint of mixed dtypes (float32, bfloat16, float16, int8, float8) and odd sizes, filled
+with random bits (NaN payloads, -0, infinities and subnormals included). Each program runs through every path the
+vLLM format takes (`PATHS`) and every parameter, untouched parts included, must equal byte for byte what the same
+program leaves in eager torch over safetensors' full tensors (`safe_open(...).get_tensor`), or the path must
+raise raylazy's `LazyWeightError` where eager torch's views would show an in-place change.
+
+A failing program is shrunk and printed as the code it runs. `RAYLAZY_EXACT_PROGRAMS` sets how many programs
+hypothesis draws (the suite's default: `CI_PROGRAMS`; the nightly size: docs/testing.md); with
+`--hypothesis-show-statistics`, the share of programs in which some weight was read at once ("read at once")
+instead of followed, and of those run again instead of replayed ("run again")."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, example, given, note, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from raylazy.errors import LazyWeightError
+from raylazy.integrations.lazy import lazy_weights
+from raylazy.integrations.options import lazy_options
+from raylazy.integrations.reload import _Run
+from raylazy.integrations.runs import at_once, recorded
+from raylazy.integrations.serving import RegionReader, Serving
+from raylazy.storage import open_checkpoint
+from tests.integrations.test_lazy_weights import _Threads
+
+#: Programs a test run draws by default; RAYLAZY_EXACT_PROGRAMS sets another number (the nightly size: 5000).
+CI_PROGRAMS = 200
+F8 = torch.float8_e4m3fn
+#: The checkpoint: name -> (shape, dtype), in two files.
+TENSORS = {
+    "a": ((70, 13), torch.float32), "b": ((5, 30, 7), torch.bfloat16), "c": ((11,), torch.float16),
+    "d": ((60, 101), torch.int8), "e": ((4, 1, 5), F8), "f": ((), torch.float32), "g": ((90, 41), torch.bfloat16),
+    "h": ((1, 9), torch.float16), "i": ((3, 5, 2, 4), torch.float32), "j": ((8,), F8), "k": ((2, 6), torch.int8),
+}
+#: Dtypes of the same size a view(dtype) reinterprets as.
+SAME_SIZE = {1: [torch.int8, torch.uint8, F8], 2: [torch.int16, torch.float16, torch.bfloat16],
+             4: [torch.int32, torch.float32]}
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, F8]
+
+
+def random_bits(shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = torch.Size(shape).numel() * dtype.itemsize
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory) -> str:
+    """The checkpoint, in two files with an index (odd tensors in the second)."""
+    out = tmp_path_factory.mktemp("exact")
+    files = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for n, (name, (shape, dtype)) in enumerate(TENSORS.items()):
+        list(files.values())[n % 2][name] = random_bits(shape, dtype, n)
+    for fname, tensors in files.items():
+        save_file(tensors, str(out / fname))
+    index = {name: fname for fname, tensors in files.items() for name in tensors}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(out)
+
+
+# ---- programs: drawn op by op, each tried on zeroed stand-ins (a program eager torch refuses is never drawn)
+
+
+def _meta(params: dict) -> dict:
+    """A namespace of zeroed stand-ins, the checkpoint's tensors (W) and the parameters (P), to try code on (not
+    meta tensors: some ops eager torch refuses only on the CPU, float8 arithmetic among them)."""
+    return {"torch": torch, "W": {n: torch.zeros(s, dtype=d) for n, (s, d) in TENSORS.items()},
+            "P": {k: torch.zeros(s, dtype=d) for k, (s, d, _) in params.items()}}
+
+
+def _value(expr: str, params: dict):
+    """The stand-in tensor `expr` gives, or None where eager torch refuses it (then it is never drawn)."""
+    try:
+        return eval(expr, _meta(params))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _valid(code: str, params: dict) -> bool:
+    """Whether eager torch runs the statements `code` (on stand-ins)."""
+    try:
+        exec(code, _meta(params))
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@st.composite
+def _view(draw, e: str, m: torch.Tensor) -> str:
+    """One op on expression `e` (its stand-in `m`): followed (a view or a conversion) or not (reads at once)."""
+    n, shape = m.ndim, tuple(m.shape)
+    d = draw(st.integers(0, n - 1)) if n else 0
+    size = shape[d] if n else 0
+    start = draw(st.integers(0, size)) if n else 0
+    length = draw(st.integers(0, size - start)) if n else 0
+    floating = m.dtype.is_floating_point and m.dtype != F8
+    kinds = ["to", "contiguous", "clone", "detach", "unsqueeze", "reshape1"] + (
+        ["narrow", "torch.narrow", "select", "slice", "index", "chunk", "split", "unbind", "transpose", "permute",
+         "squeeze", "flatten", "dtype_view", "cat", "stack"] if n else [])
+    kinds += ["t"] * (n <= 2) + ["T"] * (n == 2) + ["arith"] * floating + ["view_kw"] * bool(n)
+    kind = draw(st.sampled_from(kinds))
+    neg = draw(st.booleans())
+    if kind == "narrow":
+        return f"{e}.narrow({d - n if neg else d}, {start}, {length})"
+    if kind == "torch.narrow":
+        return f"torch.narrow({e}, {d}, {start}, {length})"
+    if kind == "select":
+        return f"{e}.select({d}, {draw(st.integers(-size, size - 1)) if size else 0})"
+    if kind == "slice":
+        return f"{e}[{':, ' * d}{start}:{start + length}]"
+    if kind == "index":
+        return f"{e}[{draw(st.sampled_from(['None', '...', '0', '-1']))}]"
+    if kind in ("chunk", "split"):
+        k = draw(st.integers(1, max(size, 1)))
+        pieces = (size + k - 1) // k if kind == "chunk" else (size + k - 1) // k
+        return f"{e}.{kind}({k}, {d})[{draw(st.integers(0, max(pieces - 1, 0)))}]"
+    if kind == "unbind":
+        return f"{e}.unbind({d})[{draw(st.integers(0, max(size - 1, 0)))}]"
+    if kind == "transpose":
+        return f"{e}.transpose({d}, {draw(st.integers(-n, n - 1))})"
+    if kind == "permute":
+        return f"{e}.permute({draw(st.permutations(range(n)))})"
+    if kind == "t":
+        return f"{e}.t()"
+    if kind == "T":
+        return f"{e}.T"
+    if kind == "squeeze":
+        return f"{e}.squeeze({d})" if neg else f"{e}.squeeze()"
+    if kind == "unsqueeze":
+        return f"{e}.unsqueeze({draw(st.integers(-n - 1, n))})"
+    if kind == "reshape1":  # a dim of size 1 added, with view or reshape (followed)
+        at = draw(st.integers(0, n))
+        new = list(shape[:at]) + [1] + list(shape[at:])
+        return f"{e}.{draw(st.sampled_from(['view', 'reshape']))}({tuple(new)})"
+    if kind == "flatten":  # dims merged: read at once
+        return f"{e}.reshape(-1)"
+    if kind in ("dtype_view", "view_kw"):
+        to = draw(st.sampled_from(SAME_SIZE.get(m.dtype.itemsize, [m.dtype])))
+        return f"{e}.view({'dtype=' if kind == 'view_kw' else ''}torch.{str(to).split('.')[1]})"
+    if kind == "to":
+        to = draw(st.sampled_from(FLOATS if m.dtype.is_floating_point else FLOATS + [torch.int8]))
+        how = draw(st.sampled_from(["to", "method"]))
+        method = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16", torch.float64: "double"}
+        if how == "method" and to in method:
+            return f"{e}.{method[to]}()"
+        return f"{e}.to(torch.{str(to).split('.')[1]})"
+    if kind == "arith":
+        return f"({e} {draw(st.sampled_from(['* 1', '+ 0', '* 2', '- 1']))})"
+    if kind == "cat":
+        return f"torch.cat([{e}, {e}], {d})"
+    if kind == "stack":
+        return f"torch.stack([{e}, {e}])"
+    return f"{e}.{kind}()"
+
+
+@st.composite
+def _statement(draw, params: dict) -> str | None:
+    """One load: a checkpoint tensor through a few ops, into a parameter (a new one of a shape that takes it)."""
+    e = f"W[{draw(st.sampled_from(sorted(TENSORS)))!r}]"
+    m = _value(e, params)
+    for _ in range(draw(st.integers(0, 4))):
+        nxt = draw(_view(e, m))
+        got = _value(nxt, params)
+        if isinstance(got, torch.Tensor):
+            e, m = nxt, got
+    shape, dtype = tuple(m.shape), m.dtype
+    into = draw(st.sampled_from(FLOATS if dtype.is_floating_point else FLOATS + [torch.int8, torch.int32]))
+    k = f"p{len(params)}"
+    how = draw(st.sampled_from(["whole", "fused", "stacked", "setitem", "scale", "broadcast"]))
+    if how == "fused" and shape:  # a slice of a fused parameter (q/k/v, gate/up)
+        extra = draw(st.integers(0, 3))
+        at = draw(st.integers(0, extra))
+        pshape, dst = (shape[0] + extra,) + shape[1:], f"P[{k!r}].narrow(0, {at}, {shape[0]})"
+    elif how == "stacked":  # an expert of a stacked parameter
+        n = draw(st.integers(1, 3))
+        pshape, dst = (n,) + shape, f"P[{k!r}][{draw(st.integers(0, n - 1))}]"
+    elif how == "broadcast" and shape and shape[0] == 1:
+        pshape, dst = (draw(st.integers(2, 3)),) + shape[1:], f"P[{k!r}]"
+    elif how == "scale" and m.numel() == 1:  # a per-tensor scale stored by index
+        n = draw(st.integers(1, 4))
+        i = draw(st.integers(0, n - 1))
+        pshape = (n,)
+        dst = f"P[{k!r}][{i}:{i + 1}]" if shape else f"P[{k!r}][{i}]"
+        if not shape and draw(st.booleans()):
+            params[k] = (pshape, into, None)
+            return f"P[{k!r}][{i}] = {e}"
+    else:
+        pshape, dst = shape, f"P[{k!r}]"
+    params[k] = (pshape, into, None)
+    if how == "setitem" and shape:
+        line = f"P[{k!r}][0:{shape[0]}] = {e}"
+        dst = f"P[{k!r}][0:{shape[0]}]"
+    else:
+        line = f"{dst}.copy_({e})"
+    if not _valid(line, params):
+        del params[k]
+        return None
+    after = draw(st.sampled_from(["", "", "add_", "iadd", "mul_", "again"]))
+    more = {"add_": f"{dst}.add_({e})", "iadd": f"{dst} += {e}", "mul_": f"{dst}.mul_(2)",
+            "again": f"{dst}.copy_({e})"}.get(after)
+    if more and _valid(f"{line}\n{more}", params):
+        line += "\n" + more
+    return line
+
+
+@st.composite
+def programs(draw) -> tuple[str, dict]:
+    """(code, params: name -> (shape, dtype, None)): a few loads."""
+    params: dict = {}
+    lines = [line for line in (draw(_statement(params)) for _ in range(draw(st.integers(1, 4)))) if line]
+    return "\n".join(lines), params
+
+
+# ---- running a program: eagerly, and through each path
+
+
+def _params(params: dict) -> dict[str, torch.Tensor]:
+    """Each parameter's starting bytes (random: a part no copy writes must keep them)."""
+    return {k: random_bits(s, d, 1000 + i) for i, (k, (s, d, _)) in enumerate(params.items())}
+
+
+def _consumer(code: str, params: dict[str, torch.Tensor]):
+    def consume(weights):
+        exec(code, {"torch": torch, "W": dict(weights), "P": params})
+
+    return consume
+
+
+def eager(ckpt_dir: str, code: str, params: dict) -> dict[str, torch.Tensor]:
+    weights = {}
+    for f in sorted(os.listdir(ckpt_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(ckpt_dir, f), "pt") as st_file:
+                weights.update({n: st_file.get_tensor(n) for n in st_file.keys()})
+    out = _params(params)
+    _consumer(code, out)(weights.items())
+    return out
+
+
+def _recorded(ckpt_dir, code, params, options, group=None):
+    """A load as the vLLM worker records it (`raylazy.integrations.runs.recorded`)."""
+    ckpt = open_checkpoint(ckpt_dir)
+    out = _params(params)
+    with RegionReader(ckpt, options) as reads:
+        _, mode, _, takes = recorded(_consumer(code, out), out.values, ckpt, reads, options, torch.device("cpu"),
+                                     group)
+    return out, mode, reads.stats, takes
+
+
+def _at_once(ckpt_dir, code, params, options):
+    ckpt = open_checkpoint(ckpt_dir)
+    out = _params(params)
+    with RegionReader(ckpt, options) as reads:
+        at_once(_consumer(code, out), ckpt, reads, None)
+    return out, "at-once", reads.stats, None
+
+
+def _reload(ckpt_dir, code, params, options):
+    """A load, then a reload over what it kept (its regions' takes), as `raylazy.integrations.reload` serves one:
+    every copy made as it is asked, out of a Serving of the kept regions."""
+    _, _, _, takes = _recorded(ckpt_dir, code, params, options)
+    ckpt = open_checkpoint(ckpt_dir)
+    out = _params(params)
+    with RegionReader(ckpt, options) as reads, Serving(reads, takes, {}, None, "cpu") as serving:
+        run = _Run(serving, _raise)
+        _consumer(code, out)(lazy_weights(ckpt, run))
+        run.drain()
+    return out, "reload", reads.stats, None
+
+
+def _raise(e: BaseException):
+    raise e
+
+
+def _node(ckpt_dir, code, params, options):
+    """Two processes of a node (threads here) loading together, each with parameters of its own."""
+    group, got, errors = _Threads(2), {}, []
+
+    def worker(rank: int) -> None:
+        try:
+            got[rank] = _recorded(ckpt_dir, code, params, options, group.member(rank))
+        except BaseException as e:  # noqa: BLE001  (raised below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert got[0][0].keys() == got[1][0].keys()
+    for k in got[0][0]:
+        assert torch.equal(_bits(got[0][0][k]), _bits(got[1][0][k])), k
+    return got[0]
+
+
+#: Every path the vLLM format takes: (run, options).
+PATHS = {
+    "replay": (_recorded, {}),
+    "ranged-small-batches": (_recorded, dict(backend="ranged", batch_bytes=4096, batches_ahead=0, threads=1)),
+    "fastsafetensors": (_recorded, dict(backend="fastsafetensors")),
+    "cooperative": (_recorded, dict(backend="cooperative")),
+    "second-run": (_recorded, dict(replay=False)),
+    "at-once": (_at_once, {}),
+    "reload": (_reload, {}),
+    "node": (_node, {}),
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bits, as an integer of its size."""
+    return t.contiguous().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        t.element_size()])
+
+
+#: Ops that compute new values. Torch's own kernels give a NaN other bits in one memory layout than in another
+#: (bfloat16 `x * 1` keeps a payload contiguous, makes it 0x7fc0 strided): where a program computes, a NaN must be
+#: a NaN, its payload aside; everywhere else every bit counts.
+ARITHMETIC = re.compile(r" [-+*] |add_|mul_|\+=")
+
+
+def same(got: torch.Tensor, want: torch.Tensor, computed: bool) -> bool:
+    """Whether `got` holds `want`'s bits (its NaNs' payloads aside where the program `computed`)."""
+    if not (computed and want.is_floating_point()):
+        return torch.equal(_bits(got), _bits(want))
+    nan = want.reshape(-1).double().isnan()
+    return torch.equal(got.reshape(-1).double().isnan(), nan) and torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
+def check(ckpt_dir: str, code: str, params: dict, paths=tuple(PATHS)) -> set[str]:
+    """Every path leaves every parameter as eager torch does, byte for byte, or raises LazyWeightError; returns
+    what the replay path did beside following (`events`)."""
+    want, events = eager(ckpt_dir, code, params), set()
+    for name in paths:
+        run, options = PATHS[name]
+        try:
+            got, mode, stats, _ = run(ckpt_dir, code, params, lazy_options(options))
+        except LazyWeightError:
+            events.add("refused: a view used after an in-place change")
+            continue
+        for k, t in want.items():
+            assert (got[k].dtype, got[k].shape) == (t.dtype, t.shape), f"{name}: {k} in\n{code}"
+            assert same(got[k], t, bool(ARITHMETIC.search(code))), f"{name}: {k} differs from eager torch's in\n{code}"
+        if name == "replay":
+            events |= {"read at once"} if stats.opaque_regions else set()
+            events |= {"run again"} if mode == "rerun" else set()
+    return events
+
+
+#: The kinds of program found not exact, as seeds (each a kind of the issue that found them).
+SEEDS = {
+    "conversion-chain": ("P['p0'].copy_(W['a'].to(torch.bfloat16))", {"p0": ((70, 13), torch.float16, None)}),
+    "half-float": ("P['p0'].copy_(W['a'].half().float())", {"p0": ((70, 13), torch.float32, None)}),
+    "one-to-then-copy": ("P['p0'].copy_(W['c'].float())", {"p0": ((11,), torch.bfloat16, None)}),
+    "in-place-after-copy": ("P['p0'].copy_(W['g'])\nP['p0'].add_(W['g'].narrow(1, 0, 1))",
+                            {"p0": ((90, 41), torch.float32, None)}),
+    "iadd-after-copy": ("P['p0'].copy_(W['a'])\nP['p0'] += W['a']", {"p0": ((70, 13), torch.float32, None)}),
+    "scale-by-index": ("P['p0'][1:2].copy_(W['c'].select(0, 3))", {"p0": ((3,), torch.float16, None)}),
+    "scale-setitem": ("P['p0'][2] = W['f']", {"p0": ((4,), torch.float32, None)}),
+    "view-dtype-keyword": ("P['p0'].copy_(W['c'].view(dtype=torch.int16))", {"p0": ((11,), torch.int16, None)}),
+    "overlap-beyond-neighbours": ("P['p0'].copy_(W['j'].to(torch.float32).narrow(0, 0, 8))\n"
+                                  "P['p0'][1:3] = W['j'][0:2]\nP['p0'][5:7] = W['j'][4:6]",
+                                  {"p0": ((8,), torch.float32, None)}),
+    "take-written-into": ("x = W['a'].clone()\nz = W['a'].clone()\nx.mul_(0)\nP['p0'].copy_(z * 1)",
+                          {"p0": ((70, 13), torch.float32, None)}),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seed_programs_are_exact_on_every_path(ckpt_dir, seed):
+    code, params = SEEDS[seed]
+    check(ckpt_dir, code, params)
+
+
+@settings(max_examples=int(os.environ.get("RAYLAZY_EXACT_PROGRAMS", CI_PROGRAMS)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                                 HealthCheck.function_scoped_fixture])
+@given(program=programs())
+@example(program=SEEDS["conversion-chain"])
+def test_random_programs_are_exact_on_every_path(ckpt_dir, program):
+    code, params = program
+    note(f"program:\n{code}")
+    for what in check(ckpt_dir, code, params):
+        event(what)
+
