@@ -346,8 +346,12 @@ class LazyWeight:
         if deferred(func, args):
             weight = args[-1]
             weight.memory.check(weight.region)
-            out = weight.run.copy_into(args[0] if func is torch.Tensor.copy_ else args[0][args[1]], weight)
-            return out if func is torch.Tensor.copy_ else None
+            if func is torch.Tensor.copy_:
+                return weight.run.copy_into(args[0], weight)
+            # torch's `dst[index] = value` drops the value's leading dims of size 1 before it copies
+            ones = next((i for i, n in enumerate(weight.shape) if n != 1), weight.ndim)
+            weight.run.copy_into(args[0][args[1]], weight._with(dims=weight.lens.dims[ones:]))
+            return None
         return func(*_materialized(args), **_materialized(kwargs))
 
 

@@ -40,6 +40,7 @@ from ..core.dtypes import itemsize, torch_dtype
 from ..core.mesh import Mesh
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead, node_schedule
+from ..errors import LazyWeightError
 from ..io.backends import NODE_BACKENDS, backend_for, node_read, read_rank, shares_page_cache, solo_backend
 from ..io.collective import Exchange, close_rendezvous, collective_backend, serve_rendezvous
 from ..io.cooperative import box_mappable, cached_share, mapped, mapped_box, populating, unmap_later
@@ -440,10 +441,13 @@ class Serving:
         b = self._batch_of[region]
         self._wanted = max(self._wanted, b)
         self._cond.notify_all()
-        while not self._batches[b].read and self._error is None:
+        while not self._batches[b].read and self._error is None and not self._stop:
             self._cond.wait()
         if self._error is not None:
             raise self._error
+        if not self._batches[b].read:
+            raise LazyWeightError(f"{region.tensor.name}: a lazy weight was used after the load that serves it "
+                                  "ended (a weight loader kept a checkpoint weight past load_weights)")
         self._left[region] -= 1
         if self._left[region]:
             return self._ready[region].clone() if keep else self._ready[region]

@@ -78,7 +78,7 @@ def _meta(params: dict) -> dict:
     """A namespace of zeroed stand-ins, the checkpoint's tensors (W) and the parameters (P), to try code on (not
     meta tensors: some ops eager torch refuses only on the CPU, float8 arithmetic among them)."""
     return {"torch": torch, "W": {n: torch.zeros(s, dtype=d) for n, (s, d) in TENSORS.items()},
-            "P": {k: torch.zeros(s, dtype=d) for k, (s, d, _) in params.items()}}
+            "P": {k: torch.zeros(s, dtype=d) for k, (s, d) in params.items()}}
 
 
 def _value(expr: str, params: dict):
@@ -107,7 +107,7 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
     start = draw(st.integers(0, size)) if n else 0
     length = draw(st.integers(0, size - start)) if n else 0
     floating = m.dtype.is_floating_point and m.dtype != F8
-    kinds = ["to", "contiguous", "clone", "detach", "unsqueeze", "reshape1"] + (
+    kinds = ["to", "to", "contiguous", "clone", "detach", "unsqueeze", "reshape1"] + (
         ["narrow", "torch.narrow", "select", "slice", "index", "chunk", "split", "unbind", "transpose", "permute",
          "squeeze", "flatten", "dtype_view", "cat", "stack"] if n else [])
     kinds += ["t"] * (n <= 2) + ["T"] * (n == 2) + ["arith"] * floating + ["view_kw"] * bool(n)
@@ -170,55 +170,63 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
 def _statement(draw, params: dict) -> str | None:
     """One load: a checkpoint tensor through a few ops, into a parameter (a new one of a shape that takes it)."""
     e = f"W[{draw(st.sampled_from(sorted(TENSORS)))!r}]"
-    m = _value(e, params)
+    m, prelude = _value(e, params), ""
     for _ in range(draw(st.integers(0, 4))):
         nxt = draw(_view(e, m))
         got = _value(nxt, params)
         if isinstance(got, torch.Tensor):
             e, m = nxt, got
+    if draw(st.integers(0, 4)) == 0:  # the loader changes the weight (a view of it, or a clone) before it copies it
+        var = f"x{len(params)}"
+        change = f"{var} = {e}{draw(st.sampled_from(['', '.clone()']))}\n{var}." + \
+            draw(st.sampled_from(["mul_(2)", "add_(1)", "neg_()", "zero_()"]))
+        if _valid(change, params):
+            prelude, e = change + "\n", var
     shape, dtype = tuple(m.shape), m.dtype
-    into = draw(st.sampled_from(FLOATS if dtype.is_floating_point else FLOATS + [torch.int8, torch.int32]))
-    k = f"p{len(params)}"
-    how = draw(st.sampled_from(["whole", "fused", "stacked", "setitem", "scale", "broadcast"]))
-    if how == "fused" and shape:  # a slice of a fused parameter (q/k/v, gate/up)
-        extra = draw(st.integers(0, 3))
-        at = draw(st.integers(0, extra))
-        pshape, dst = (shape[0] + extra,) + shape[1:], f"P[{k!r}].narrow(0, {at}, {shape[0]})"
-    elif how == "stacked":  # an expert of a stacked parameter
-        n = draw(st.integers(1, 3))
-        pshape, dst = (n,) + shape, f"P[{k!r}][{draw(st.integers(0, n - 1))}]"
-    elif how == "broadcast" and shape and shape[0] == 1:
-        pshape, dst = (draw(st.integers(2, 3)),) + shape[1:], f"P[{k!r}]"
-    elif how == "scale" and m.numel() == 1:  # a per-tensor scale stored by index
-        n = draw(st.integers(1, 4))
-        i = draw(st.integers(0, n - 1))
-        pshape = (n,)
-        dst = f"P[{k!r}][{i}:{i + 1}]" if shape else f"P[{k!r}][{i}]"
-        if not shape and draw(st.booleans()):
-            params[k] = (pshape, into, None)
-            return f"P[{k!r}][{i}] = {e}"
-    else:
-        pshape, dst = shape, f"P[{k!r}]"
-    params[k] = (pshape, into, None)
-    if how == "setitem" and shape:
-        line = f"P[{k!r}][0:{shape[0]}] = {e}"
-        dst = f"P[{k!r}][0:{shape[0]}]"
-    else:
+    fits = [k for k, (s, _) in params.items() if shape and s and s[1:] == shape[1:] and s[0] >= shape[0]]
+    how = draw(st.sampled_from(["whole", "fused", "stacked", "setitem", "scale", "broadcast"] + ["into"] * bool(fits)))
+    if how == "into":  # another part of a parameter an earlier load wrote (q/k/v into one; overlapping too)
+        k = draw(st.sampled_from(fits))
+        dst = f"P[{k!r}].narrow(0, {draw(st.integers(0, params[k][0][0] - shape[0]))}, {shape[0]})"
         line = f"{dst}.copy_({e})"
-    if not _valid(line, params):
-        del params[k]
-        return None
+        if not _valid(prelude + line, params):
+            return None
+    else:  # a new parameter, most often of the checkpoint's dtype
+        k = f"p{len(params)}"
+        floats = FLOATS if dtype.is_floating_point else FLOATS + [torch.int8, torch.int32]
+        into = draw(st.one_of(st.just(dtype), st.sampled_from(floats)))
+        pshape, dst = shape, f"P[{k!r}]"
+        if how == "fused" and shape:  # a slice of a fused parameter (q/k/v, gate/up)
+            extra = draw(st.integers(0, 3))
+            pshape, dst = (shape[0] + extra,) + shape[1:], f"P[{k!r}].narrow(0, {draw(st.integers(0, extra))}, {shape[0]})"
+        elif how == "stacked":  # an expert of a stacked parameter
+            n = draw(st.integers(1, 3))
+            pshape, dst = (n,) + shape, f"P[{k!r}][{draw(st.integers(0, n - 1))}]"
+        elif how == "broadcast" and shape and shape[0] == 1:
+            pshape = (draw(st.integers(2, 3)),) + shape[1:]
+        elif how == "scale" and m.numel() == 1:  # a per-tensor scale stored by index
+            n = draw(st.integers(1, 4))
+            i = draw(st.integers(0, n - 1))
+            pshape, dst = (n,), draw(st.sampled_from([f"P[{k!r}][{i}:{i + 1}]", f"P[{k!r}][{i}]"]))
+        elif how == "setitem" and shape:
+            dst = f"P[{k!r}][0:{shape[0]}]"
+        params[k] = (pshape, into)
+        indexed = dst != f"P[{k!r}]"  # `P[k] = e` would only rebind the name
+        line = f"{dst} = {e}" if indexed and how in ("setitem", "scale") and draw(st.booleans()) else f"{dst}.copy_({e})"
+        if not _valid(prelude + line, params):
+            del params[k]
+            return None
     after = draw(st.sampled_from(["", "", "add_", "iadd", "mul_", "again"]))
     more = {"add_": f"{dst}.add_({e})", "iadd": f"{dst} += {e}", "mul_": f"{dst}.mul_(2)",
             "again": f"{dst}.copy_({e})"}.get(after)
-    if more and _valid(f"{line}\n{more}", params):
+    if more and _valid(f"{prelude}{line}\n{more}", params):
         line += "\n" + more
-    return line
+    return prelude + line
 
 
 @st.composite
 def programs(draw) -> tuple[str, dict]:
-    """(code, params: name -> (shape, dtype, None)): a few loads."""
+    """(code, params: name -> (shape, dtype)): a few loads."""
     params: dict = {}
     lines = [line for line in (draw(_statement(params)) for _ in range(draw(st.integers(1, 4)))) if line]
     return "\n".join(lines), params
@@ -229,7 +237,7 @@ def programs(draw) -> tuple[str, dict]:
 
 def _params(params: dict) -> dict[str, torch.Tensor]:
     """Each parameter's starting bytes (random: a part no copy writes must keep them)."""
-    return {k: random_bits(s, d, 1000 + i) for i, (k, (s, d, _)) in enumerate(params.items())}
+    return {k: random_bits(s, d, 1000 + i) for i, (k, (s, d)) in enumerate(params.items())}
 
 
 def _consumer(code: str, params: dict[str, torch.Tensor]):
@@ -294,6 +302,7 @@ def _node(ckpt_dir, code, params, options):
             got[rank] = _recorded(ckpt_dir, code, params, options, group.member(rank))
         except BaseException as e:  # noqa: BLE001  (raised below)
             errors.append(e)
+            group.abort()
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
     for t in threads:
@@ -301,7 +310,7 @@ def _node(ckpt_dir, code, params, options):
     for t in threads:
         t.join()
     if errors:
-        raise errors[0]
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     assert got[0][0].keys() == got[1][0].keys()
     for k in got[0][0]:
         assert torch.equal(_bits(got[0][0][k]), _bits(got[1][0][k])), k
@@ -315,6 +324,7 @@ PATHS = {
     "fastsafetensors": (_recorded, dict(backend="fastsafetensors")),
     "cooperative": (_recorded, dict(backend="cooperative")),
     "second-run": (_recorded, dict(replay=False)),
+    "second-run-ranged": (_recorded, dict(replay=False, backend="ranged", batch_bytes=4096, batches_ahead=0)),
     "at-once": (_at_once, {}),
     "reload": (_reload, {}),
     "node": (_node, {}),
@@ -333,6 +343,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 ARITHMETIC = re.compile(r" [-+*] |add_|mul_|\+=")
 
 
+#: A weight changed in place before it is copied (`x.mul_(2)`).
+CHANGED = re.compile(r"\bx\d+\.\w+_\(")
+#: Ops lazy weights do not follow (they read the weight at once): computing, changing in place, merging dims,
+#: reinterpreting bits, joining tensors.
+NOT_FOLLOWED = re.compile(ARITHMETIC.pattern + "|" + CHANGED.pattern +
+                          r"|reshape\(-1\)|view\((dtype=)?torch\.|torch\.(cat|stack)")
+
+
 def same(got: torch.Tensor, want: torch.Tensor, computed: bool) -> bool:
     """Whether `got` holds `want`'s bits (its NaNs' payloads aside where the program `computed`)."""
     if not (computed and want.is_floating_point()):
@@ -349,7 +367,8 @@ def check(ckpt_dir: str, code: str, params: dict, paths=tuple(PATHS)) -> set[str
         run, options = PATHS[name]
         try:
             got, mode, stats, _ = run(ckpt_dir, code, params, lazy_options(options))
-        except LazyWeightError:
+        except LazyWeightError:  # only where the program changed a weight in place
+            assert CHANGED.search(code), f"{name}: refused\n{code}"
             events.add("refused: a view used after an in-place change")
             continue
         for k, t in want.items():
@@ -357,26 +376,28 @@ def check(ckpt_dir: str, code: str, params: dict, paths=tuple(PATHS)) -> set[str
             assert same(got[k], t, bool(ARITHMETIC.search(code))), f"{name}: {k} differs from eager torch's in\n{code}"
         if name == "replay":
             events |= {"read at once"} if stats.opaque_regions else set()
+            events |= {"read at once, though every op is one lazy weights follow"} if stats.opaque_regions and \
+                not NOT_FOLLOWED.search(code) else set()
             events |= {"run again"} if mode == "rerun" else set()
     return events
 
 
 #: The kinds of program found not exact, as seeds (each a kind of the issue that found them).
 SEEDS = {
-    "conversion-chain": ("P['p0'].copy_(W['a'].to(torch.bfloat16))", {"p0": ((70, 13), torch.float16, None)}),
-    "half-float": ("P['p0'].copy_(W['a'].half().float())", {"p0": ((70, 13), torch.float32, None)}),
-    "one-to-then-copy": ("P['p0'].copy_(W['c'].float())", {"p0": ((11,), torch.bfloat16, None)}),
+    "conversion-chain": ("P['p0'].copy_(W['a'].to(torch.bfloat16))", {"p0": ((70, 13), torch.float16)}),
+    "half-float": ("P['p0'].copy_(W['a'].half().float())", {"p0": ((70, 13), torch.float32)}),
+    "one-to-then-copy": ("P['p0'].copy_(W['c'].float())", {"p0": ((11,), torch.bfloat16)}),
     "in-place-after-copy": ("P['p0'].copy_(W['g'])\nP['p0'].add_(W['g'].narrow(1, 0, 1))",
-                            {"p0": ((90, 41), torch.float32, None)}),
-    "iadd-after-copy": ("P['p0'].copy_(W['a'])\nP['p0'] += W['a']", {"p0": ((70, 13), torch.float32, None)}),
-    "scale-by-index": ("P['p0'][1:2].copy_(W['c'].select(0, 3))", {"p0": ((3,), torch.float16, None)}),
-    "scale-setitem": ("P['p0'][2] = W['f']", {"p0": ((4,), torch.float32, None)}),
-    "view-dtype-keyword": ("P['p0'].copy_(W['c'].view(dtype=torch.int16))", {"p0": ((11,), torch.int16, None)}),
-    "overlap-beyond-neighbours": ("P['p0'].copy_(W['j'].to(torch.float32).narrow(0, 0, 8))\n"
-                                  "P['p0'][1:3] = W['j'][0:2]\nP['p0'][5:7] = W['j'][4:6]",
-                                  {"p0": ((8,), torch.float32, None)}),
+                            {"p0": ((90, 41), torch.float32)}),
+    "iadd-after-copy": ("P['p0'].copy_(W['a'])\nP['p0'] += W['a']", {"p0": ((70, 13), torch.float32)}),
+    "scale-by-index": ("P['p0'][1:2].copy_(W['c'].select(0, 3))", {"p0": ((3,), torch.float16)}),
+    "scale-setitem": ("P['p0'][2] = W['f']", {"p0": ((4,), torch.float32)}),
+    "view-dtype-keyword": ("P['p0'].copy_(W['c'].view(dtype=torch.int16))", {"p0": ((11,), torch.int16)}),
+    "overlap-beyond-neighbours": ("P['p0'].copy_(W['c'])\nP['p0'][1:3] = W['c'][0:2]\nP['p0'][5:7] = W['c'][4:6]",
+                                  {"p0": ((11,), torch.float16)}),
+    "setitem-leading-ones": ("P['p0'][0] = W['f'].unsqueeze(0)", {"p0": ((1,), torch.float32)}),
     "take-written-into": ("x = W['a'].clone()\nz = W['a'].clone()\nx.mul_(0)\nP['p0'].copy_(z * 1)",
-                          {"p0": ((70, 13), torch.float32, None)}),
+                          {"p0": ((70, 13), torch.float32)}),
 }
 
 

@@ -186,6 +186,10 @@ class _Threads:
 
         return wait
 
+    def abort(self) -> None:
+        """A member failed: the others' gatherings fail at once (BrokenBarrierError) instead of waiting for it."""
+        self._barrier.abort()
+
     def member(self, rank: int) -> SimpleNamespace:
         return SimpleNamespace(rank=rank, size=self.size, gather=functools.partial(self.gather, rank))
 
