@@ -107,7 +107,12 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
     engine: no worker waits in the node's gathering for another still copying while vLLM processes its layers);
     the bytes are read as the iterator is used. `checkpoint(model_config, options)` opens the checkpoint's
     headers."""
-    kept: Kept = getattr(model, KEPT)
+    kept: Kept | None = getattr(model, KEPT, None)
+    if kept is None:
+        raise ReloadError(f"reloading from {_path(model_config)} with load_format='raylazy': this engine's weights were "
+                          "not loaded with raylazy's format, whose first load records what a reload reads; nothing "
+                          "was written: reload with the format the engine was loaded with, or start it with "
+                          "load_format='raylazy'")
     meter, reads, error, new, at_once = Meter(), None, None, _path(model_config), False
     try:
         ckpt = checkpoint(model_config, options)

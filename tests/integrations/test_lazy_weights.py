@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raylazy.errors import ConfigurationError, FileChangedError
+from raylazy.errors import ConfigurationError, FileChangedError, ReloadError
 from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.options import LazyOptions, lazy_options
 from raylazy.integrations.recording import Recording, broadcasts_to, in_place, wanted
+from raylazy.integrations.reload import weights_for_reload
 from raylazy.integrations.report import LazyStats, fields, summary
 from raylazy.integrations.serving import AtOnce, ProcessGroupNode, RegionReader, Serving
 from raylazy.storage import LocalSource, open_checkpoint, verified
@@ -627,3 +628,11 @@ def test_log_line_numbers_read_back():
                    "unplanned_regions": 2, "unplanned_bytes": 64, "read_seconds": 0.25, "seconds": 1.5}
     assert "rerun (a copy was read)" in line and fields(summary(0, stats, 1, 1, "replay", "", 12, 0.0))["rchar"] == 12
     assert fields("INFO Loading weights took 0.42 seconds [default_loader.py:1]") is None
+
+
+def test_a_reload_of_an_engine_another_format_loaded_is_a_clear_error(llama_dir):
+    """vLLM's reload on raylazy's format asks what the first load recorded: an engine loaded by another format has
+    none, and the reload stops before it opens anything, saying so."""
+    config = SimpleNamespace(model=llama_dir, model_weights="", revision=None)
+    with pytest.raises(ReloadError, match="not loaded with raylazy's format.*nothing was written"):
+        weights_for_reload(torch.nn.Linear(2, 2), config, LazyOptions(), open_checkpoint, None, None)
