@@ -47,7 +47,7 @@ import threading
 import time
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from itertools import accumulate
 from typing import Any
@@ -128,19 +128,43 @@ class ObjectSource(Source):
             return
         step = self.storage.part_bytes
         parts = [(a, min(a + step, offset + total)) for a in range(offset, offset + total, step)]
+        stop = threading.Event()
         if len(parts) == 1:
-            self._fill(offset, *parts[0], views, ends)
+            self._fill(offset, *parts[0], views, ends, stop)
             return
-        for f in [self.storage.pool().submit(self._fill, offset, a, b, views, ends) for a, b in parts]:
-            f.result()
+        # A failed part stops its siblings (those not started are cancelled, the running ones end at their next
+        # chunk), and the error is raised only once none of them can write into the caller's buffers any more.
+        failed: list[BaseException] = []
 
-    def _fill(self, base: int, start: int, end: int, views: list[memoryview], ends: list[int]) -> None:
-        """GET bytes [start, end) and stream them into their place in `views` (which hold bytes from `base` on)."""
+        def part(start: int, end: int) -> None:
+            try:
+                self._fill(offset, start, end, views, ends, stop)
+            except BaseException as e:
+                failed.append(e)
+                stop.set()
+                raise
+
+        futures = [self.storage.pool().submit(part, a, b) for a, b in parts]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        if failed:
+            raise failed[0]
+
+    def _fill(self, base: int, start: int, end: int, views: list[memoryview], ends: list[int],
+              stop: threading.Event) -> None:
+        """GET bytes [start, end) and stream them into their place in `views` (which hold bytes from `base` on);
+        return as soon as `stop` is set (a sibling part failed), writing nothing more."""
         targets = iter(_cut(views, ends, start - base, end - base))
         target, at = next(targets), 0
         try:
             with self.storage.slots:
+                if stop.is_set():
+                    return
                 for chunk in self._get(start, end).stream(min_chunk_size=_CHUNK_BYTES):
+                    if stop.is_set():
+                        return
                     data = memoryview(chunk)
                     while len(data):
                         if at == len(target):

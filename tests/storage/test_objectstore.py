@@ -33,7 +33,7 @@ from raylazy.io.backends import backend_for
 from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
 from raylazy.storage import open_checkpoint, open_source, storage_for
-from raylazy.storage.objects import HEAD_BYTES
+from raylazy.storage.objects import HEAD_BYTES, ObjectSource, ObjectStorage
 from tests.support.checkpoints import shard_files
 from tests.support.raytest import check_loaded, check_rank
 
@@ -139,6 +139,39 @@ def test_retries_throttling_and_resets_then_reports(s3, s3_llama, llama_dir):
     assert time.monotonic() - t0 < 10
     assert 1000 - len(s3.faults) >= 4  # tried, then retried max_retries times
     s3.faults = []
+
+
+def test_a_failed_part_leaves_the_buffers_alone_once_the_read_raises(monkeypatch):
+    """A range fetched as parts: one part fails while a sibling is still fetching. The read raises that error only
+    once no part can write into the caller's buffers any more (the sibling stops at its next chunk), and the parts
+    not yet started send no GET. The real `readinto`, with `_get` answering from the test."""
+    storage = ObjectStorage("s3", {"part_bytes": 4, "max_concurrency": 2})
+    source = ObjectSource(storage, None, "k", "s3://bucket/k", 16, "etag")
+    asked = []
+
+    class Answer:
+        def __init__(self, start):
+            self.start = start
+
+        def stream(self, min_chunk_size):
+            if self.start == 0:  # the first part fails once the second is under way
+                time.sleep(0.05)
+                raise RuntimeError("503 Slow Down")
+            time.sleep(0.3)  # the second answers after the failure
+            yield b"x" * 4
+
+    def get(start, end):
+        asked.append(start)
+        return Answer(start)
+
+    monkeypatch.setattr(source, "_get", get)
+    buf = bytearray(16)
+    with pytest.raises(OSError, match="503 Slow Down"):
+        source.readinto(0, [memoryview(buf)])
+    after = bytes(buf)
+    time.sleep(0.5)  # longer than the second part took
+    assert bytes(buf) == after == bytes(16)
+    assert sorted(asked) == [0, 4]
 
 
 def test_object_replaced_after_planning_is_detected(s3, llama_dir, tmp_path):
