@@ -3,11 +3,13 @@
 A consumer (vLLM's `model.load_weights`, with its own weight loaders) gets one `LazyWeight` per checkpoint tensor.
 What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing, `chunk`, `split`, `unbind`,
 `unsqueeze`, `squeeze`, `transpose`, `t`, `permute`, `reshape` or `view` that only add or drop dims of size 1,
-`contiguous`, and `to`/`float`/... (applied when the bytes come). Such a weight is its `Region` (a box of the full
-tensor, `raylazy.core.boxes`) seen through a `Lens` (which box dim each of its dims shows). `dst.copy_(weight)`
-and `dst[index] = weight` are copies its run defers (`raylazy.integrations.recording`); any other use (`.item()`,
-arithmetic, `torch.cat`, ...) is an op raylazy cannot follow: the weight's region, as far as it was narrowed, is
-read there and then, counted as opaque, and from then on the weight is that tensor.
+`contiguous`, and `to`/`float`/... (applied when the bytes come, each conversion in turn). Such a weight is its
+`Region` (a box of the full tensor, `raylazy.core.boxes`) seen through a `Lens` (which box dim each of its dims
+shows, and its conversions). `dst.copy_(weight)` and `dst[index] = weight` are copies its run defers
+(`raylazy.integrations.recording`); any other use (`.item()`, arithmetic, `torch.cat`, an in-place op, ...) is an op
+raylazy cannot follow: the weight's region, as far as it was narrowed, is read there and then, counted as opaque,
+and from then on the weight is that tensor. Weights that would be views of one tensor in eager torch share a
+`_Memory`: one changed in place makes a use of another where they meet a `LazyWeightError`, never stale bytes.
 """
 
 from __future__ import annotations
