@@ -72,8 +72,8 @@ def arm(worker, fault: int | None) -> None:
 def disarm(worker, weights: bool) -> dict:
     """Runs in each worker after a reload: what `arm` collected, and with `weights` the digests (see the module's
     docstring)."""
-    from engines import loaded  # beside this script, on the workers' sys.path too
-
+    # the engines' script and raylazy: the repository is on every process's PYTHONPATH
+    from benchmarks.harness.engines import loaded
     from raylazy.integrations.report import fields
 
     state = worker.reload_test
