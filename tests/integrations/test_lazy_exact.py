@@ -131,8 +131,9 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
         return f"{e}.unbind({d})[{draw(st.integers(0, max(size - 1, 0)))}]"
     if kind == "transpose":
         return f"{e}.transpose({d}, {draw(st.integers(-n, n - 1))})"
-    if kind == "permute":
-        return f"{e}.permute({draw(st.permutations(range(n)))})"
+    if kind == "permute":  # a list, or the dims one by one
+        order = draw(st.permutations(range(n)))
+        return f"{e}.permute({order if neg else ', '.join(map(str, order))})"
     if kind == "t":
         return f"{e}.t()"
     if kind == "T":
