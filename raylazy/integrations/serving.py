@@ -137,15 +137,18 @@ class RegionReader:
         return {r: got[_name(r)] for r in regions}
 
     def _read_whole(self, regions: list[Region], device: str) -> dict[Region, torch.Tensor]:
-        """fastsafetensors: every tensor a region is in read whole, once; the regions cut from it."""
+        """fastsafetensors: every tensor a region is in read whole, once; the regions cut from it, each in memory of
+        its own where the tensor has several (a taker may write into what it takes)."""
         tensors = {r.tensor.name: Region.whole(r.file, r.tensor) for r in regions}
+        shared = Counter(r.tensor.name for r in regions)
         plan = RankPlan(rank=0, mesh=Mesh(), files=self.files,
                         tensors=tuple(self.shard(w, name) for name, w in tensors.items()))
         got, stats = read_rank(plan, device, options=self.options.reader,
                                sources=self.sources(sorted({w.file for w in tensors.values()})))
         with self._lock:
             self.stats.add_read(stats)
-        return {r: got[r.tensor.name][tuple(slice(a, a + n) for a, n in zip(r.starts, r.sizes))] for r in regions}
+        boxes = {r: got[r.tensor.name][tuple(slice(a, a + n) for a, n in zip(r.starts, r.sizes))] for r in regions}
+        return {r: box.clone() if shared[r.tensor.name] > 1 else box for r, box in boxes.items()}
 
     def read_alone(self, region: Region) -> torch.Tensor:
         """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow)."""

@@ -396,6 +396,9 @@ SEEDS = {
     "view-dtype-keyword": ("P['p0'].copy_(W['c'].view(dtype=torch.int16))", {"p0": ((11,), torch.int16)}),
     "overlap-beyond-neighbours": ("P['p0'].copy_(W['c'])\nP['p0'][1:3] = W['c'][0:2]\nP['p0'][5:7] = W['c'][4:6]",
                                   {"p0": ((11,), torch.float16)}),
+    "fastsafetensors-regions-of-one-tensor": ("x1 = W['c'].clone()\nx1.mul_(2)\nP['p1'].copy_(x1)\n"
+                                              "P['p2'].copy_(W['c'].narrow(0, 0, 1))\nP['p2'].add_(W['c'][0:1])",
+                                              {"p1": ((11,), torch.float16), "p2": ((1,), torch.float16)}),
     "setitem-leading-ones": ("P['p0'][0] = W['f'].unsqueeze(0)", {"p0": ((1,), torch.float32)}),
     "take-written-into": ("x = W['a'].clone()\nz = W['a'].clone()\nx.mul_(0)\nP['p0'].copy_(z * 1)",
                           {"p0": ((70, 13), torch.float32)}),
