@@ -233,6 +233,11 @@ class StorageStallError(ReadError):
     """A storage request got no answer within `request_timeout_s` (a stalled mount or store); the read was given up."""
 
 
+class BuffersInUseError(LoadError):
+    """Tensors given to fill in place (`out`, a reload's held shards) that a read given up earlier (a
+    StorageStallError) may still write into: refused until that read's blocked requests return."""
+
+
 class LazyWeightError(LoadError):
     """A vLLM weight loader used a lazy weight in a way that cannot give eager torch's bytes (a view used after the
     tensor it views was changed in place): raised instead of loading different weights."""

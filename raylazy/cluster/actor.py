@@ -223,14 +223,17 @@ class RankMixin:
 
     def _held_buffers(self, plan: RankPlan) -> dict | None:
         """The shards this rank holds, to be filled in place with `plan` (None: it holds none, e.g. a restarted
-        process); a plan whose shards do not fit them is a BufferMismatchError, and leaves them as they were."""
+        process); a plan whose shards do not fit them is a BufferMismatchError, shards a read given up may still
+        write into (a reload that stalled) a BuffersInUseError, and either leaves them as they were."""
         import torch
 
         from ..io.buffers import check_buffers
+        from ..io.watch import check_free
 
         state = self._rank()
         if state.shards is not None:
             check_buffers(plan, torch.device(state.info.device), state.shards)
+            check_free(state.shards)
         return state.shards
 
     def _begin(self, in_place: bool) -> _RankState:

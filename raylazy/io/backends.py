@@ -119,13 +119,15 @@ def read_rank(
     bytes land. `sources` ({file index: Source}): files of the plan the caller opened and checked already
     (`raylazy.storage.open_planned`), read as they are and left open. The read runs on a thread of its own
     (`raylazy.io.watch`): a storage request unanswered for `options.request_timeout_s` raises StorageStallError.
-    Raises on any failure; a shard of `out` may then be partly overwritten.
+    Raises on any failure; a shard of `out` may then be partly overwritten, and after a StorageStallError, written
+    until the storage answers the requests left blocked: until then `out` is refused to any read
+    (BuffersInUseError).
     """
     backend = options.backend if node_read is not None else solo_backend(options.backend)
     together = {k: v for k, v in (("node_read", node_read), ("exchange", exchange)) if v is not None}
     read = get_backend(backend).read
     return watched(lambda: read(plan, device, options=options, on_progress=on_progress, out=out, sources=sources,
-                                **together), options.request_timeout_s)
+                                **together), options.request_timeout_s, out)
 
 
 def _register_builtin() -> None:

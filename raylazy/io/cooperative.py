@@ -56,6 +56,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from contextvars import copy_context
 
 from ..core.boxes import Region
 from ..core.dtypes import itemsize, torch_dtype
@@ -165,7 +166,8 @@ def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], 
     stop, todo = threading.Event(), iter(mine)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
         try:
-            yield [pool.submit(_read_stripes, plan, sched, todo, sources, ready, size, stop) for _ in range(threads)]
+            yield [pool.submit(copy_context().run, _read_stripes, plan, sched, todo, sources, ready, size, stop)
+                   for _ in range(threads)]  # each in the load's context (`raylazy.storage.Load`)
         finally:
             stop.set()
 

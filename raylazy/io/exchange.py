@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from contextvars import copy_context
 from typing import NamedTuple
 
 from ..core.options import ReaderOptions
@@ -284,7 +285,7 @@ class _StripeReader:
     def _submit(self) -> None:
         while self.free and self.todo:
             buf = self.free.popleft()
-            self.ahead.append((self.pool.submit(self._read, self.todo.popleft(), buf), buf))
+            self.ahead.append((self.pool.submit(copy_context().run, self._read, self.todo.popleft(), buf), buf))
 
     def _read(self, s: int, buf):
         st = self.stripes[s]

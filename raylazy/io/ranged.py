@@ -17,6 +17,7 @@ import os
 import queue
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextvars import copy_context
 
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, Read
@@ -76,7 +77,8 @@ def read_rank_ranged(
 
 def _in_place(pool, reader: _Reader, schedule: RankSchedule, flats) -> None:
     """CPU path: every window read straight into its slice of the shard; the first failure cancels the rest."""
-    futures = [pool.submit(reader.run, w, _as_view(flats[w.tensor], w.start, w.end)) for w in schedule.windows]
+    futures = [pool.submit(copy_context().run, reader.run, w, _as_view(flats[w.tensor], w.start, w.end))
+               for w in schedule.windows]  # each in the load's context (`raylazy.storage.Load`)
     try:
         for f in futures:
             f.result()
@@ -185,7 +187,7 @@ def _staged(torch, pool, reader: _Reader, schedule: RankSchedule, flats, dev, de
         reader.run(job, _as_view(buf, 0, job.end - job.start))
         return job, buf
 
-    pending = {pool.submit(fill, w) for w in schedule.windows}
+    pending = {pool.submit(copy_context().run, fill, w) for w in schedule.windows}
     try:
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)

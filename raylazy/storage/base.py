@@ -67,7 +67,7 @@ class Source(ABC):
 
     def check_aborted(self) -> None:
         if self.aborted:
-            raise OSError(errno.ECANCELED, "the load was given up (a read of it stalled or failed)", self.uri)
+            raise given_up(self.uri)
 
     @abstractmethod
     def close(self) -> None:
@@ -144,6 +144,11 @@ class Storage(ABC):
         """(parent, name)."""
         parent, _, name = uri.rpartition("/")
         return parent, name
+
+
+def given_up(uri: str) -> OSError:
+    """The error of a read of `uri` made after its load was given up (ECANCELED)."""
+    return OSError(errno.ECANCELED, "the load was given up (a read of it stalled or failed)", uri)
 
 
 def scheme_of(uri: str) -> str:

@@ -1,23 +1,27 @@
 """Planned checkpoint files opened for a reader: each checked to be the one planned (size, version tag, header
-digest) before a byte is taken from it; the reads in flight, for a reader to tell a storage that stopped
-answering (`overdue`) and to stop its reads (`abort_reads`); storage failures while reading named as ReadErrors."""
+digest) before a byte is taken from it; each load's reads in flight (`Load`), for a reader to tell a storage that
+stopped answering (`Load.overdue`) and to stop that load's reads (`Load.abort`); storage failures while reading named
+as ReadErrors."""
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from ..core.header import MAX_HEADER_BYTES
 from ..core.plans import FileRef, RankPlan
 from ..errors import FileChangedError, ReadError, StorageStallError
-from .base import NotAFileError, Source
+from .base import NotAFileError, Source, given_up
 from .registry import storage_for
+
+T = TypeVar("T")
 
 
 def open_planned(plan: RankPlan, f: int, storage_options: Mapping[str, Any] | None = None) -> Source:
@@ -70,8 +74,9 @@ def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None
 
 
 def _opened(source: Source) -> Source:
+    load = _LOAD.get() or _OUTSIDE
     with _LOCK:
-        _OPEN.add(source)
+        load.sources.add(source)
     return source
 
 
@@ -105,23 +110,60 @@ class Request(NamedTuple):
     what: str
 
 
-#: The reads in flight in this process, and every source open for a reader (`open_verified`), for `overdue` and
-#: `abort_reads`.
-_IN_FLIGHT: dict[int, Request] = {}
-_OPEN: weakref.WeakSet[Source] = weakref.WeakSet()
+class Load:
+    """One load's reads: those in flight (`reading` in a thread running in its context: `run`), for `overdue`, and
+    the sources it opened (`open_verified`), for `abort`. A fault ends the load it belongs to and nothing else: a
+    read it gave up, still blocked in the kernel, is no later load's. The threads a load starts run in its context
+    (`pool.submit(contextvars.copy_context().run, fn, ...)`)."""
+
+    def __init__(self):
+        self.in_flight: dict[int, Request] = {}
+        self.sources: weakref.WeakSet[Source] = weakref.WeakSet()
+        self.aborted = False
+
+    def run(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` with this load as the current one (for its reads and the files it opens)."""
+        context = contextvars.copy_context()
+        context.run(_LOAD.set, self)
+        return context.run(fn, *args)
+
+    def overdue(self, timeout_s: float) -> Request | None:
+        """The oldest read of this load in flight that began more than `timeout_s` seconds ago, if any."""
+        now = time.monotonic()
+        with _LOCK:
+            late = [r for r in self.in_flight.values() if now - r.began > timeout_s]
+        return min(late, key=lambda r: r.began, default=None)
+
+    def abort(self) -> None:
+        """Make every later read of this load fail at once: of the sources it opened (`Source.abort`: a read blocked
+        in the kernel ends when the storage answers, or when its mount is aborted), and of those its caller opened
+        (refused by `reading`, left usable for other loads). The threads of a load given up end instead of
+        reading on."""
+        with _LOCK:
+            self.aborted = True
+            sources = list(self.sources)
+        for source in sources:
+            source.abort()
+
+
+#: The current load (`Load.run`); reads outside any load are kept in `_OUTSIDE`, which nobody watches or aborts.
+_LOAD: contextvars.ContextVar[Load | None] = contextvars.ContextVar("raylazy_load", default=None)
+_OUTSIDE = Load()
 _LOCK = threading.Lock()
 _KEYS = itertools.count()
 
 
 @contextmanager
 def reading(source: Source, what: str) -> Iterator[None]:
-    """A read of `what` from `source`, kept in this process's reads in flight while it runs (`overdue`), and a
+    """A read of `what` from `source`, kept in its load's reads in flight while it runs (`Load.overdue`), and a
     storage failure meanwhile (the Source contract: OSError, or EOFError for data that ends early) as the
     ReadError every reader raises, naming the file, the storage kind and what was being read."""
-    key = next(_KEYS)
+    load, key = _LOAD.get() or _OUTSIDE, next(_KEYS)
     with _LOCK:
-        _IN_FLIGHT[key] = Request(time.monotonic(), source, what)
+        load.in_flight[key] = Request(time.monotonic(), source, what)
     try:
+        if load.aborted:
+            raise given_up(source.uri)
         source.check_aborted()
         yield
     except OSError as e:
@@ -131,19 +173,11 @@ def reading(source: Source, what: str) -> Iterator[None]:
             from None
     finally:
         with _LOCK:
-            del _IN_FLIGHT[key]
+            del load.in_flight[key]
 
 
 def _on(source: Source) -> str:
     return f" (on {source.kind.name} storage)" if source.kind else ""
-
-
-def overdue(timeout_s: float) -> Request | None:
-    """The oldest read in flight in this process that began more than `timeout_s` seconds ago, if any."""
-    now = time.monotonic()
-    with _LOCK:
-        late = [r for r in _IN_FLIGHT.values() if now - r.began > timeout_s]
-    return min(late, key=lambda r: r.began, default=None)
 
 
 def stall_error(request: Request, timeout_s: float) -> StorageStallError:
@@ -153,13 +187,3 @@ def stall_error(request: Request, timeout_s: float) -> StorageStallError:
         f"{request.source.uri}: {request.what}: no answer from the storage in {time.monotonic() - request.began:.1f} "
         f"s (request_timeout_s={timeout_s:g}; {kind}): the mount or the store stalled; nothing of this read was "
         "returned; load again once the storage answers, or raise request_timeout_s for storage this slow")
-
-
-def abort_reads() -> None:
-    """Make every read of every source open for a reader in this process fail at once from now on (a read blocked
-    in the kernel ends when the storage answers, or when its mount is aborted): the threads of a load given up
-    end instead of reading on."""
-    with _LOCK:
-        sources = list(_OPEN)
-    for source in sources:
-        source.abort()
