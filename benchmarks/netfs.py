@@ -12,8 +12,9 @@ per request, and the two ways network storage meets the kernel's page cache:
 The server counts the read requests and bytes it served, per file and in all, and the most requests it was
 serving at once. Processes reach them through the mount itself: a control directory, `/.netfs/`, absent from
 listings, holds `stats` (JSON, read afresh on every open, never cached, never counted) and `control` (write a JSON
-object to change `latency_s` or `bandwidth_bps` while mounted, `{"reset": true}` to zero the counts, or `{"fault":
-...}` to make reads stall, fail or come short: `NetFS.control`), so
+object to change `latency_s` or `bandwidth_bps` while mounted, `{"reset": true}` to zero the counts, `{"fault":
+...}` to make reads stall, fail or come short, or `{"recover": true}` and `{"release": true}` for a server that comes
+back with reads still blocked: `NetFS.control`), so
 forked readers, Ray workers and the test process all see the same counts.
 
 The binding is mfusepy, the maintained fork of fusepy (ctypes bindings of libfuse's high-level API): it loads
@@ -140,6 +141,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             self.fault: dict = {}  # {"stall" | "short" | "fail": ..., "after_bytes": n}: see NetFS.control
             self.answering = threading.Event()  # cleared while reads stall
             self.answering.set()
+            self.held: list[threading.Event] = []  # the stalls of reads a `recover` left blocked, until `release`
             self.lock = threading.Lock()
             self.in_flight = 0
             self.reset()
@@ -241,10 +243,11 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             if not fault or self.counts["bytes"] < fault.get("after_bytes", 0):
                 return size
             if fault.get("stall"):
+                answering = self.answering  # this read's stall: a `recover` answers the reads after it, not this one
                 with self.lock:
                     if self.counts["stalled_at"] is None:
                         self.counts["stalled_at"] = time.monotonic()
-                while not self.answering.wait(0.1):
+                while not answering.wait(0.1):
                     if not mounted(mountpoint):  # aborted and unmounted: end the read, or the server never ends
                         raise mfusepy.FuseOSError(errno.EIO)
             if fault.get("fail"):
@@ -268,6 +271,14 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
                 self.bucket = TokenBucket(float(change["bandwidth_bps"]))
             if change.get("reset"):
                 self.reset()
+            if change.get("recover"):  # a server back: new reads answered, those already stalled held
+                self.held.append(self.answering)
+                self.fault, self.answering = {}, threading.Event()
+                self.answering.set()
+            if change.get("release"):
+                for stall in self.held:
+                    stall.set()
+                self.held.clear()
             if "fault" in change:
                 self.fault = dict(change["fault"] or {})
                 self.answering.clear() if self.fault.get("stall") else self.answering.set()
@@ -369,7 +380,10 @@ class NetFS:
     def control(self, **change) -> None:
         """Change `latency_s` or `bandwidth_bps` while mounted; `reset=True` zeroes the counts; `fault={...}` makes
         every read once `after_bytes` (default 0) were served stall until the fault is changed (`stall=True`),
-        fail with an errno (`fail=5`: EIO) or serve half the bytes asked for (`short=True`); `fault=None` clears it."""
+        fail with an errno (`fail=5`: EIO) or serve half the bytes asked for (`short=True`); `fault=None` clears it
+        (the stalled reads answered). `recover=True` clears the fault as a network server that comes back does: new
+        reads are answered while the reads already stalled stay blocked (in the kernel, for their callers) until
+        `release=True`; then they read the files as they are at that moment."""
         with open(self.path(CONTROL.lstrip("/"), "control"), "w") as f:
             f.write(json.dumps(change))
 
