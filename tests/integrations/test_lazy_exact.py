@@ -113,20 +113,20 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
     kinds += ["t"] * (n <= 2) + ["T"] * (n == 2) + ["arith"] * floating + ["view_kw"] * bool(n)
     kind = draw(st.sampled_from(kinds))
     neg = draw(st.booleans())
-    if kind == "narrow":
-        return f"{e}.narrow({d - n if neg else d}, {start}, {length})"
-    if kind == "torch.narrow":
-        return f"torch.narrow({e}, {d}, {start}, {length})"
+    fixed = {"narrow": f"{e}.narrow({d - n if neg else d}, {start}, {length})",
+             "torch.narrow": f"torch.narrow({e}, {d}, {start}, {length})", "slice": f"{e}[{':, ' * d}{start}:{start + length}]",
+             "t": f"{e}.t()", "T": f"{e}.T", "squeeze": f"{e}.squeeze({d})" if neg else f"{e}.squeeze()",
+             "flatten": f"{e}.reshape(-1)",  # dims merged: read at once
+             "cat": f"torch.cat([{e}, {e}], {d})", "stack": f"torch.stack([{e}, {e}])"}
+    if kind in fixed:
+        return fixed[kind]
     if kind == "select":
         return f"{e}.select({d}, {draw(st.integers(-size, size - 1)) if size else 0})"
-    if kind == "slice":
-        return f"{e}[{':, ' * d}{start}:{start + length}]"
     if kind == "index":
         return f"{e}[{draw(st.sampled_from(['None', '...', '0', '-1']))}]"
     if kind in ("chunk", "split"):
-        k = draw(st.integers(1, max(size, 1)))
-        pieces = (size + k - 1) // k if kind == "chunk" else (size + k - 1) // k
-        return f"{e}.{kind}({k}, {d})[{draw(st.integers(0, max(pieces - 1, 0)))}]"
+        k = draw(st.integers(1, max(size, 1)))  # a piece past the last is never drawn: eager torch refuses it
+        return f"{e}.{kind}({k}, {d})[{draw(st.integers(0, max((size + k - 1) // k - 1, 0)))}]"
     if kind == "unbind":
         return f"{e}.unbind({d})[{draw(st.integers(0, max(size - 1, 0)))}]"
     if kind == "transpose":
@@ -134,20 +134,12 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
     if kind == "permute":  # a list, or the dims one by one
         order = draw(st.permutations(range(n)))
         return f"{e}.permute({order if neg else ', '.join(map(str, order))})"
-    if kind == "t":
-        return f"{e}.t()"
-    if kind == "T":
-        return f"{e}.T"
-    if kind == "squeeze":
-        return f"{e}.squeeze({d})" if neg else f"{e}.squeeze()"
     if kind == "unsqueeze":
         return f"{e}.unsqueeze({draw(st.integers(-n - 1, n))})"
     if kind == "reshape1":  # a dim of size 1 added, with view or reshape (followed)
         at = draw(st.integers(0, n))
         new = list(shape[:at]) + [1] + list(shape[at:])
         return f"{e}.{draw(st.sampled_from(['view', 'reshape']))}({tuple(new)})"
-    if kind == "flatten":  # dims merged: read at once
-        return f"{e}.reshape(-1)"
     if kind in ("dtype_view", "view_kw"):
         to = draw(st.sampled_from(SAME_SIZE.get(m.dtype.itemsize, [m.dtype])))
         return f"{e}.view({'dtype=' if kind == 'view_kw' else ''}torch.{str(to).split('.')[1]})"
@@ -160,10 +152,6 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
         return f"{e}.to(torch.{str(to).split('.')[1]})"
     if kind == "arith":
         return f"({e} {draw(st.sampled_from(['* 1', '+ 0', '* 2', '- 1']))})"
-    if kind == "cat":
-        return f"torch.cat([{e}, {e}], {d})"
-    if kind == "stack":
-        return f"torch.stack([{e}, {e}])"
     return f"{e}.{kind}()"
 
 
