@@ -33,7 +33,7 @@ from raylazy.integrations.reload import _Run
 from raylazy.integrations.runs import at_once, recorded
 from raylazy.integrations.serving import RegionReader, Serving
 from raylazy.storage import open_checkpoint
-from tests.integrations.test_lazy_weights import _Threads
+from tests.support.nodes import ThreadNode
 
 #: Programs a test run draws by default; RAYLAZY_EXACT_PROGRAMS sets another number (the nightly size: 5000).
 CI_PROGRAMS = 200
@@ -284,7 +284,7 @@ def _raise(e: BaseException):
 
 def _node(ckpt_dir, code, params, options):
     """Two processes of a node (threads here) loading together, each with parameters of its own."""
-    group, got, errors = _Threads(2), {}, []
+    group, got, errors = ThreadNode(2), {}, []
 
     def worker(rank: int) -> None:
         try:

@@ -4,7 +4,6 @@ bytes are read; its copies, replayed, or a second run of it, leave exactly what 
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import threading
@@ -25,6 +24,7 @@ from raylazy.integrations.serving import AtOnce, ProcessGroupNode, RegionReader,
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support import RANK_PROCESSES
 from tests.support.checkpoints import build_checkpoint, reference_tensors
+from tests.support.nodes import ThreadNode
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 ROW = ("o_proj.weight", "down_proj.weight")
@@ -170,31 +170,6 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
     assert len(buffers) <= 2
 
 
-class _Threads:
-    """A node's `size` processes as threads of this one (`member(rank)`: a `NodeGroup`), gathering over a barrier."""
-
-    def __init__(self, size: int):
-        self.size, self._got, self._barrier = size, [None] * size, threading.Barrier(size, timeout=60)
-
-    def gather(self, rank: int, obj):
-        self._got[rank] = obj
-
-        def wait() -> list:
-            self._barrier.wait()
-            out = list(self._got)
-            self._barrier.wait()
-            return out
-
-        return wait
-
-    def abort(self) -> None:
-        """A member failed: the others' gatherings fail at once (BrokenBarrierError) instead of waiting for it."""
-        self._barrier.abort()
-
-    def member(self, rank: int) -> SimpleNamespace:
-        return SimpleNamespace(rank=rank, size=self.size, gather=functools.partial(self.gather, rank))
-
-
 def _gloo_member(rank: int, rendezvous: str, queue) -> None:
     """One of two processes gathering over gloo (`ProcessGroupNode`): rank 0 starts its part (None) and waits for
     it only after 0.5 s of other work, as a worker copying at once does; rank 1 gathers an object too large for a
@@ -242,7 +217,7 @@ def test_a_node_copies_straight_out_of_the_files_mappings(llama_dir, monkeypatch
     reads = []
     real = LocalSource.readinto
     monkeypatch.setattr(LocalSource, "readinto", lambda self, offset, bufs: reads.append(offset) or real(self, offset, bufs))
-    group, results = _Threads(2), {}
+    group, results = ThreadNode(2), {}
 
     def worker(rank: int) -> None:
         consume, params, cuts = tp_consumer(rank, 2, dtype)
@@ -445,7 +420,7 @@ def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
 
     ckpt = open_checkpoint(llama_dir)
     warm([f.path for f in ckpt.files])
-    group, results = _Threads(2), {}
+    group, results = ThreadNode(2), {}
 
     def worker(rank: int) -> None:
         consume, params, cuts = tp_consumer(rank, 2)
