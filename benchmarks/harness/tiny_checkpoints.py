@@ -33,3 +33,41 @@ def write_checkpoint(arch: str, root: str, model_type: tuple[str, dict], sizes: 
     out = os.path.join(root, arch)
     model.save_pretrained(out, max_shard_size="100KB")
     return out
+
+
+#: The linear layers a quantized checkpoint holds in int8 (the others, embeddings, norms, lm_head, stay as written).
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", ".w1.", ".w2.", ".w3.")
+
+
+def quantize_int8(path: str, strategy: str) -> None:
+    """The checkpoint at `path` rewritten as compressed-tensors W8A8 int8 (what llm-compressor writes): each linear
+    weight symmetric int8 with a float32 `weight_scale` per tensor (`strategy` "tensor", shape [1]) or per output
+    channel ("channel", shape [out, 1]), activations quantized per token at run time; its config says so."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    for name in sorted(set(index["weight_map"].values())):
+        tensors, out = load_file(os.path.join(path, name)), {}
+        for key, w in tensors.items():
+            if key.endswith(".weight") and any(p in key for p in LINEAR):
+                w = w.float()
+                scale = (w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().max().reshape(1)) / 127
+                out[key] = (w / scale).round().clamp(-128, 127).to(torch.int8)
+                out[key.removesuffix("weight") + "weight_scale"] = scale
+            else:
+                out[key] = w
+        save_file(out, os.path.join(path, name), metadata={"format": "pt"})
+        index["weight_map"].update({key: name for key in out})
+    json.dump(index, open(index_path, "w"))
+    config_path = os.path.join(path, "config.json")
+    config = json.load(open(config_path))
+    quant = {"num_bits": 8, "type": "int", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**quant, "strategy": strategy, "dynamic": False},
+                                      "input_activations": {**quant, "strategy": "token", "dynamic": True}}}}
+    json.dump(config, open(config_path, "w"))

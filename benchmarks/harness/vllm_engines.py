@@ -17,7 +17,7 @@ from pathlib import Path
 
 from raylazy.integrations.report import fields
 
-from .tiny_checkpoints import write_checkpoint
+from .tiny_checkpoints import quantize_int8, write_checkpoint
 
 #: The repository's root (benchmarks/ and raylazy/ beside each other): the engines' PYTHONPATH.
 REPO = Path(__file__).resolve().parents[2]
@@ -100,32 +100,44 @@ ARCHS: dict[str, tuple[str, dict]] = {
     **{t: (t, {}) for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite",
                             "cohere", "glm4", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2",
                             "deepseek_v3", "granitemoe", "phimoe", "glm4_moe")},
+    # compressed-tensors W8A8 int8 (tiny_checkpoints.quantize_int8): per-tensor scales that vLLM's loaders store by
+    # index into the fused q|k|v and gate|up (and the experts') scale parameters, per-channel ones narrowed with
+    # their weights. vLLM's CPU build runs no FP8 checkpoint (per-tensor: its static_scaled_fp8_quant kernel is not
+    # built; block-scaled: no ScaledMM kernel), so FP8's loaders cannot be compared here.
+    "llama-w8a8": ("llama", {}),
+    "llama-w8a8-channel": ("llama", {}),
+    "mixtral-w8a8": ("mixtral", {}),
 }
+#: The quantized architectures of ARCHS: their weights' strategy (`quantize_int8`).
+QUANTIZED = {"llama-w8a8": "tensor", "llama-w8a8-channel": "channel", "mixtral-w8a8": "tensor"}
 #: Architectures of ARCHS not compared, and why (what trying them gave).
 LEFT_OUT = {
+    "mixtral-w8a8": "vLLM's default loader fails the same engine on this CPU build: its workers fail to initialize",
     "gptj": "vLLM's default loader fails the same engine: its workers fail to initialize (test_declared_vllm.py "
             "finds vLLM's transformers, < 5.20, refusing the config transformers 5.24 writes)",
     "dbrx": "vLLM's default loader fails the same engine: vLLM's ModelConfig refuses the config transformers 5.24 "
             "writes (unknown kwargs `_name_or_path`, `output_attentions`)",
 }
-#: vLLM's CPU multi-head latent attention runs in bfloat16 only.
-DTYPE = {"deepseek_v2": "bfloat16", "deepseek_v3": "bfloat16"}
+#: vLLM's CPU multi-head latent attention and its int8 W8A8 layers run in bfloat16 only.
+DTYPE = {"deepseek_v2": "bfloat16", "deepseek_v3": "bfloat16", **dict.fromkeys(QUANTIZED, "bfloat16")}
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"}]
 #: Where vLLM's in-place reload of the default loader's weights does not give the default loader's engine on its CPU
 #: build (fused MoE layers: the tokens after it differ while every weight loaded fresh is equal), a second engine,
 #: on the default loader, gives the tokens.
-SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe")
+SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", *QUANTIZED)
 
 
 def serve(python: str, archs, root: Path, dtype: str | None = None, extra: dict | None = None,
           checks: bool = True) -> dict[str, dict]:
     """{arch: its engine's result (engines.py)}: each architecture's checkpoint written under `root` and served at tp=2 with raylazy, one engine after the other in one process; `dtype` (default: float32,
-    DTYPE's where named) and `extra` (model_loader_extra_config) are the engines'; with `checks`, every worker's
+    DTYPE's where named) is the engines', `extra` (model_loader_extra_config) raylazy's engines'; with `checks`, every worker's
     fresh loads (CHECKS) and the greedy tokens before and after vLLM's reload of its default loader's weights."""
     dirs = {a: write_checkpoint(a, str(root), ARCHS[a], SIZES) for a in archs}
+    for a in set(dirs) & set(QUANTIZED):
+        quantize_int8(dirs[a], QUANTIZED[a])
     def run(arch, fmt):
         return {"model": dirs[arch], "format": fmt, "tp": TP, "dtype": dtype or DTYPE.get(arch, "float32"),
-                "extra": extra or {}, "bind": "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)),
+                "extra": (extra or {}) if fmt == "raylazy" else {}, "bind": "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)),
                 "checks": CHECKS if checks and fmt == "raylazy" else [],
                 "reload": checks and fmt == "raylazy" and arch not in SECOND_ENGINE}
 

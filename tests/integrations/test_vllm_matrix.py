@@ -24,8 +24,9 @@ import pytest
 from benchmarks.harness.vllm_engines import ARCHS, LEFT_OUT, MAX_TOKENS, PROMPTS, TP, serve
 from tests.integrations.test_vllm import _same_weights, vllm_python  # noqa: F401
 
-#: What the suite runs: Falcon (a view that regroups its fused q|k|v, read at once) and GPT-2 (Conv1D, transposed).
-SUITE = ("falcon", "gpt2")
+#: What the suite runs: Falcon (a view that regroups its fused q|k|v, read at once), GPT-2 (Conv1D, transposed) and a
+#: Llama in int8 W8A8 (per-tensor scales stored by index into its fused layers' scale parameters).
+SUITE = ("falcon", "gpt2", "llama-w8a8")
 
 pytestmark = [pytest.mark.own_processes, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
