@@ -16,9 +16,8 @@ before every load; warm: the files held in the page cache through the engine's l
 end), medians and ranges, then each format against the first, repetition by repetition (benchmarks/vllm_load.py's
 `paired`). Every load's numbers go to stderr as JSON. The default checkpoint is benchmarks/vllm_load.py's (`--shape`).
 
-It times a later load in a running engine, not an engine's own first load, and cold the two can disagree: one
-populate thread won here and lost 0.2-0.27 s in engines of their own (docs/benchmarks.md, "one populate thread
-tried, and reverted"). benchmarks/vllm_load.py times the engine's own load.
+It times a later load in a running engine, not an engine's own first load, and cold the two can disagree
+(docs/benchmarks.md, "The step inside one engine"). benchmarks/vllm_load.py times the engine's own load.
 """
 
 from __future__ import annotations
