@@ -269,11 +269,19 @@ def _handler(server: S3Server):
             with server.lock:
                 server.in_flight += 1
                 server.counts.most_in_flight = max(server.counts.most_in_flight, server.in_flight)
+            self.counted = True
             try:
                 self._forward()
             finally:
+                self._answered()
+
+        def _answered(self) -> None:
+            """The request leaves the count of those in flight: at the latest before its answer's last byte is
+            written, since a client that has it may send its next request before this thread goes on."""
+            if self.counted:
                 with server.lock:
                     server.in_flight -= 1
+                self.counted = False
 
         def _forward(self) -> None:
             fault = server._fault()
@@ -316,6 +324,7 @@ def _handler(server: S3Server):
                     self.send_header(k, v)
             self.end_headers()
             if isinstance(body, bytes) and not cut:
+                self._answered()
                 self.wfile.write(body)
                 return
             if isinstance(body, bytes):
@@ -325,6 +334,8 @@ def _handler(server: S3Server):
                 piece, t = body.read(min(_BODY_CHUNK, todo, int(server.connection_bps / 10) or _BODY_CHUNK)), time.perf_counter()
                 if not piece:
                     break
+                if len(piece) >= todo:
+                    self._answered()
                 self.wfile.write(piece)
                 todo -= len(piece)
                 if server.connection_bps:
