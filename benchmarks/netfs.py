@@ -145,7 +145,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             self.lock = threading.Lock()
             self.in_flight = 0
             self.reset()
-            self.control_fhs: set[int] = set()
+            self.control_fhs: dict[int, bytes] = {}  # each open control file's handle -> what it reads
 
         def reset(self) -> None:
             with self.lock:
@@ -196,7 +196,10 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             if path.startswith(CONTROL + "/"):
                 fi.direct_io = 1  # read afresh every time, never from the page cache
                 fi.fh = os.open("/dev/null", os.O_RDONLY)  # a unique handle to tell control files by
-                self.control_fhs.add(fi.fh)
+                with self.lock:  # the counts as they are at the open: one JSON object, however many reads take it
+                    self.control_fhs[fi.fh] = json.dumps(dict(self.counts, config={
+                        "mode": mode, "latency_s": self.latency_s, "bandwidth_bps": self.bucket.rate})).encode() \
+                        if path == CONTROL + "/stats" else b""
                 return 0
             if fi.flags & (os.O_WRONLY | os.O_RDWR):
                 raise mfusepy.FuseOSError(errno.EROFS)
@@ -210,12 +213,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
 
         def read(self, path, size, offset, fi):
             if fi.fh in self.control_fhs:
-                if path != CONTROL + "/stats":
-                    return b""
-                with self.lock:
-                    text = json.dumps(dict(self.counts, config={"mode": mode, "latency_s": self.latency_s,
-                                                                 "bandwidth_bps": self.bucket.rate})).encode()
-                return text[offset : offset + size]
+                return self.control_fhs[fi.fh][offset : offset + size]
             with self.lock:
                 self.in_flight += 1
                 self.counts["most_in_flight"] = max(self.counts["most_in_flight"], self.in_flight)
@@ -285,7 +283,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             return len(data)
 
         def release(self, path, fi):
-            self.control_fhs.discard(fi.fh)
+            self.control_fhs.pop(fi.fh, None)
             os.close(fi.fh)
 
     mfusepy.FUSE(Passthrough(), mountpoint, raw_fi=True, foreground=True, fsname=f"netfs:{source}",
