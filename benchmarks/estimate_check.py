@@ -3,6 +3,7 @@
     python -m benchmarks.estimate_check                        # measure, fit, rewrite tests/data/estimate_runs.json
     python -m benchmarks.estimate_check --raw /tmp/runs.json   # also keep the raw measurements (plans included)
     python -m benchmarks.estimate_check --from-raw /tmp/runs.json   # fit and rewrite from kept measurements
+    python -m benchmarks.estimate_check --shapes               # only record the checkpoint's shapes anew
 
 Every run is one `raylazy.load` with fresh actors, cold (local files evicted from the page cache, a fresh mount of
 the emulated network file system, a fresh proxy count on SeaweedFS), on the CPU, from a ~0.5 GB Llama-shaped
@@ -12,8 +13,13 @@ one to four simulated Ray nodes (`ray.cluster_utils.Cluster` on loopback: they s
 cache and cores), replicas. Recorded per run: `LoadedModel.phases` (start, plan, ready, read, copy), the end-to-end
 seconds and every rank's ReadStats and node. The runs marked `calibrate` fit this machine's hardware description
 (`fit`); the model then predicts every run from its plan's figures (`raylazy.core.estimate.figures`) and that
-description, and the data file keeps figures, measurements and the fitted hardware, which
-tests/core/test_estimate_check.py checks again without loading anything.
+description, and the data file keeps figures, measurements and the fitted hardware, and the checkpoint's shapes
+(`shapes`: each file's safetensors header and size, the config's fields that shape tensors).
+tests/core/test_estimate_check.py checks them again without loading anything: it plans every run anew from those
+shapes (`recorded_checkpoint`, `run_plan`), takes the plan's figures as the run's were taken (`run_figures`),
+finds them equal to those recorded and predicts from them. The shapes are read from the checkpoint the runs load
+(built under the temporary directory if missing, in every mode); `--shapes` records them anew in the data file
+and leaves the rest as it is.
 """
 
 from __future__ import annotations
@@ -199,14 +205,64 @@ def measured_phases(rec: dict) -> dict[str, float]:
             "copy": p.get("copy", 0.0), "total": rec["seconds"]}
 
 
-def run_figures(rec: dict):
-    """The figures of one recorded run: its plan, on the nodes its ranks ran on, on its storage."""
-    from raylazy.core.estimate import figures
-    from raylazy.core.plans import Plan
+def _hardware(storage: str):
+    """This machine's description of `storage` before the fit: its kind, requests and page cache, the fit's
+    starting rates."""
+    return machine({k: START[k] for k in SHARED}, _start(storage), storage)
 
-    plan = Plan.from_json(rec["plan"])
-    hw = machine({k: START[k] for k in SHARED}, _start(rec["storage"]), rec["storage"])
-    return figures(plan, hw, backend=rec["backend"], node_ids=[r["node"] for r in rec["ranks"]])
+
+def run_figures(plan, rec: dict):
+    """The figures of `plan` loaded as recorded run `rec` was: on the nodes its ranks ran on, with its backend, on
+    its storage."""
+    from raylazy.core.estimate import figures
+
+    return figures(plan, _hardware(rec["storage"]), backend=rec["backend"], node_ids=[r["node"] for r in rec["ranks"]])
+
+
+def shapes(model_dir: str) -> dict:
+    """What planning reads of the checkpoint at `model_dir`: each file's name, size and safetensors header (tensor
+    names, dtypes, shapes, data offsets), and the fields of config.json that shape tensors."""
+    from dataclasses import asdict
+
+    from raylazy.storage import open_checkpoint
+
+    ckpt = open_checkpoint(model_dir)
+    files = []
+    for f in ckpt.files:
+        with open(f.path, "rb") as fh:
+            fh.seek(8)
+            header = json.loads(fh.read(f.header_len))
+        files.append({"name": os.path.basename(f.path), "file_size": f.file_size, "header_len": f.header_len,
+                      "header": header})
+    config = {k: v for k, v in asdict(ckpt.config).items() if v is not None}
+    return {"root": os.path.basename(model_dir), "config": config, "files": files}
+
+
+def recorded_checkpoint(recorded: dict):
+    """The checkpoint of `recorded` (`shapes`), its headers parsed by raylazy's parser as if read from its files."""
+    import struct
+
+    from raylazy.core.checkpoint import Checkpoint, ModelConfig
+    from raylazy.core.header import parse_header
+
+    files = []
+    for f in recorded["files"]:
+        blob = json.dumps(f["header"], separators=(",", ":")).encode().ljust(f["header_len"])
+        files.append(parse_header(struct.pack("<Q", len(blob)) + blob, f["file_size"], f["name"]))
+    return Checkpoint(root=recorded["root"], files=tuple(files), config=ModelConfig.from_dict(recorded["config"]))
+
+
+def run_plan(ckpt, rec: dict):
+    """Recorded run `rec`'s plan made anew from checkpoint `ckpt` (`recorded_checkpoint`): its tp and replicas, for
+    its storage as this machine's description has it (`raylazy plan --hardware`: the description's cost model
+    chooses which row-split reads are gathered; local files: none). The loads' own cost models (the FUSE kind's
+    figures, S3's measured on its first GETs) gather the same reads of this checkpoint."""
+    from raylazy.core.mesh import Mesh
+    from raylazy.core.options import PlanOptions
+    from raylazy.core.planner import plan_checkpoint
+
+    opts = PlanOptions(mesh=Mesh(tp=rec["tp"], dp=rec["replicas"]))
+    return plan_checkpoint(ckpt, opts, None, _hardware(rec["storage"]).storage.cost_model())
 
 
 def fitted(storage: str) -> tuple[str, ...]:
@@ -276,14 +332,16 @@ def _median_run(recs: list[dict]) -> dict:
     """One run's repeats as one: each phase's median, and the repeat of the median total for its ranks and plan."""
     import statistics
 
+    from raylazy.core.plans import Plan
+
     phases = [measured_phases(r) for r in recs]
     middle = sorted(recs, key=lambda r: r["seconds"])[len(recs) // 2]
-    return {**middle, "fig": run_figures(middle), "repeats": phases,
+    return {**middle, "fig": run_figures(Plan.from_json(middle["plan"]), middle), "repeats": phases,
             "measured": {ph: statistics.median(p[ph] for p in phases) for ph in PHASES}}
 
 
-def check(records: list[dict]) -> dict:
-    """Fit on the calibration runs, predict every run: the data file's content."""
+def check(records: list[dict], checkpoint: dict) -> dict:
+    """Fit on the calibration runs, predict every run: the data file's content, with the `checkpoint`'s shapes."""
     from raylazy.core.estimate import predict
 
     runs = [_median_run([r for r in records if r["name"] == name]) for name in dict.fromkeys(r["name"] for r in records)]
@@ -304,7 +362,7 @@ def check(records: list[dict]) -> dict:
                            "ranks": [{k: x[k] for k in ("node", "backend", "seconds", "bytes_read", "bytes_needed",
                                                         "bytes_received", "bytes_from_replica")} for x in r["ranks"]]})
     return {"command": "python -m benchmarks.estimate_check", "measured_on": time.strftime("%Y-%m-%d"),
-            "tolerance": TOLERANCE, "slack_s": SLACK_S, "hardware": hardware, "runs": out_runs}
+            "tolerance": TOLERANCE, "slack_s": SLACK_S, "hardware": hardware, "runs": out_runs, "checkpoint": checkpoint}
 
 
 def table(data: dict) -> str:
@@ -340,26 +398,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each (median kept; default 3)")
     ap.add_argument("--raw", help="also write the raw measurements (plans included) here")
     ap.add_argument("--from-raw", help="fit and rewrite from these raw measurements instead of measuring")
+    ap.add_argument("--shapes", action="store_true",
+                    help="only record the checkpoint's shapes anew in --out (its runs as they are); nothing measured")
     ap.add_argument("--out", default=DATA)
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if args.from_raw:
-        with open(args.from_raw) as fh:
-            records = json.load(fh)
-    else:
-        from .loaders.checkpoint import ModelSpec, ensure_checkpoint
+    from .loaders.checkpoint import ModelSpec, ensure_checkpoint
 
-        model_dir = ensure_checkpoint(ModelSpec(size_gb=args.size_gb, shard_size="200MB"),
-                                      os.path.join(tempfile.gettempdir(), "raylazy-estimate-check"))
-        records = measure(model_dir, set(args.runs.split(",")) if args.runs else None, args.repeat)
-        if args.raw:
-            with open(args.raw, "w") as fh:
-                json.dump(records, fh)
-    data = check(records)
+    model_dir = ensure_checkpoint(ModelSpec(size_gb=args.size_gb, shard_size="200MB"),
+                                  os.path.join(tempfile.gettempdir(), "raylazy-estimate-check"))
+    if args.shapes:
+        with open(args.out) as fh:
+            data = json.load(fh) | {"checkpoint": shapes(model_dir)}
+    else:
+        if args.from_raw:
+            with open(args.from_raw) as fh:
+                records = json.load(fh)
+        else:
+            records = measure(model_dir, set(args.runs.split(",")) if args.runs else None, args.repeat)
+            if args.raw:
+                with open(args.raw, "w") as fh:
+                    json.dump(records, fh)
+        data = check(records, shapes(model_dir))
+        _preset(data["hardware"]["local"])
+        print(table(data))
     with open(args.out, "w") as fh:
         json.dump(data, fh, indent=1)
-    _preset(data["hardware"]["local"])
-    print(table(data))
     print(f"written to {args.out}")
     return 0
 
