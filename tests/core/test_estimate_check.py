@@ -1,8 +1,10 @@
 """The load-time model against loads measured on this machine (tests/data/estimate_runs.json, written by
-`python -m benchmarks.estimate_check`): data in, data out, nothing loaded here. The recorded figures agree with
-what the readers reported while loading, the model predicts each run from its figures and the fitted hardware as
-recorded, and every phase is within the model's claim (max(25%, 0.1 s)) except the misses docs/estimate.md
-names, each for its reason."""
+`python -m benchmarks.estimate_check`): data in, data out, nothing loaded here. Each run is planned anew from the
+checkpoint's recorded shapes by the planner in this tree and its figures taken from that plan as the benchmark
+takes them; they equal the figures recorded from the plan the run loaded and agree with what the readers reported
+while loading, the model's predictions from them and the fitted hardware are those recorded, and every phase is
+within the model's claim (max(25%, 0.1 s)) except the misses docs/estimate.md names, each for its reason. A change
+of the planner or the schedule that changes a run's figures or a prediction fails here."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 
 import pytest
 
+from benchmarks.estimate_check import recorded_checkpoint, run_figures, run_plan
 from raylazy.core.estimate import LoadFigures, predict
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "estimate_runs.json")
@@ -45,6 +48,19 @@ def data() -> dict:
         return json.load(fh)
 
 
+@pytest.fixture(scope="module")
+def planned(data) -> dict[str, LoadFigures]:
+    """Each run's figures from its plan made now from the recorded shapes."""
+    ckpt = recorded_checkpoint(data["checkpoint"])
+    return {r["name"]: run_figures(run_plan(ckpt, r), r) for r in data["runs"]}
+
+
+@pytest.fixture(scope="module")
+def predicted(data, planned) -> dict[str, dict[str, float]]:
+    """Each run's phases as the model predicts them now from its plan's figures and the fitted hardware."""
+    return {r["name"]: predict(planned[r["name"]], data["hardware"][r["storage"]]).phases for r in data["runs"]}
+
+
 def _miss(predicted: float, measured: float, tolerance: float, slack: float) -> bool:
     return abs(predicted - measured) > max(tolerance * measured, slack)
 
@@ -58,11 +74,18 @@ def test_the_record_covers_what_the_model_claims_to_check(data):
     assert max(len(r["figures"]["nodes"]) for r in runs) == 4 and any(r["replicas"] > 1 for r in runs)
 
 
-def test_the_figures_agree_with_what_the_readers_reported(data):
+def test_the_plans_made_now_have_the_recorded_figures(data, planned):
+    """Bytes and requests from storage, stripes and the exchange's rounds, copies and replicas: the plan made now
+    moves what the plan the run loaded moved."""
+    for r in data["runs"]:
+        assert planned[r["name"]] == LoadFigures.from_dict(r["figures"]), r["name"]
+
+
+def test_the_figures_agree_with_what_the_readers_reported(data, planned):
     """The bytes the exchange's ranks received and the replicas copied, as each rank's reader counted them, are the
     bytes the model's figures move."""
     for r in data["runs"]:
-        fig = LoadFigures.from_dict(r["figures"])
+        fig = planned[r["name"]]
         measured = [x["bytes_received"] for x in r["ranks"]]
         for n in fig.nodes:
             if n.backend == "exchange":
@@ -71,14 +94,13 @@ def test_the_figures_agree_with_what_the_readers_reported(data):
         assert copied == sum(n.replica_in + n.replica_local for n in fig.nodes), r["name"]
 
 
-def test_each_prediction_is_the_models(data):
-    """The predictions recorded are what the model in this tree computes from the recorded figures and hardware."""
+def test_each_prediction_is_the_models(data, predicted):
+    """The predictions recorded are what the model in this tree computes from the plans made now and the hardware."""
     for r in data["runs"]:
-        est = predict(LoadFigures.from_dict(r["figures"]), data["hardware"][r["storage"]])
-        assert est.phases == pytest.approx(r["predicted"]), r["name"]
+        assert predicted[r["name"]] == pytest.approx(r["predicted"]), r["name"]
 
 
-def test_predictions_are_within_the_claim_except_the_named_misses(data):
+def test_predictions_are_within_the_claim_except_the_named_misses(data, predicted):
     misses = {(r["name"], ph) for r in data["runs"] for ph, m in r["measured"].items()
-              if _miss(r["predicted"][ph], m, data["tolerance"], data["slack_s"])}
+              if _miss(predicted[r["name"]][ph], m, data["tolerance"], data["slack_s"])}
     assert misses == set(KNOWN_MISSES)
