@@ -77,10 +77,10 @@ def _rank(loader: str, rank: int, tp: int, model_dir: str, meet: str, cpu: bool,
     from benchmarks.loaders.impls import load_raw
     from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import node_schedule
-    from raylazy.io.backends import node_read
     from raylazy.io.collective import meet_through
     from raylazy.io.exchange import read_rank_exchanged
     from raylazy.io.fst import read_rank_fastsafetensors
+    from raylazy.io.nodes import node_read
     from raylazy.io.ranged import read_rank_ranged
 
     try:

@@ -12,8 +12,8 @@ from the moment all are told to go until the last is done. Loaders:
 - `ranged`: `raylazy.io.ranged.read_rank_ranged`, each rank its own byte ranges;
 - `cooperative`: `raylazy.io.cooperative.read_rank_cooperative`, the node's union once through the page cache
   (it maps the files: an uncached mount refuses it too);
-- `raylazy`: what `raylazy.load` reads a node with (`raylazy.io.backends.rank_reader` on the reader options
-  shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage (cooperative with
+- `raylazy`: what `raylazy.load` reads a node with (the node-read driver, `raylazy.io.nodes.node_reads`, on the
+  reader options shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage (cooperative with
   a page cache, the exchange without), as many requests in flight and as large as the kind's cost model says.
 
 Every (mode, loader) is run `--runs` times, the loaders' order rotating between runs, all modes and loaders
@@ -42,9 +42,11 @@ LOADERS = ("raw", "naive", "ranged", "cooperative", "raylazy")
 _FORK = multiprocessing.get_context("fork")
 
 
-def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, meet: str, reader) -> None:
+def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, meet: str, read) -> None:
+    from dataclasses import replace
+
     from raylazy.core.schedule import NodeRead
-    from raylazy.io.backends import NODE_BACKENDS, node_read, read_rank
+    from raylazy.io.backends import read_rank
     from raylazy.io.collective import meet_through
     from raylazy.io.cooperative import read_rank_cooperative
     from raylazy.io.ranged import read_rank_ranged
@@ -56,21 +58,21 @@ def _load(loader: str, torch, plan, rank: int, files: list[str], load_id: str, m
         read_rank_ranged(rp, "cpu")
     elif loader == "cooperative":
         read_rank_cooperative(rp, "cpu", node_read=NodeRead(plan.node_of(rank), load_id=load_id))
-    else:  # as raylazy.load reads: options shaped for the storage, the backend chosen for it
-        together = reader.backend in NODE_BACKENDS
-        address = meet_through(meet, rank, 60.0) if reader.backend == "exchange" else ""
-        read_rank(rp, "cpu", options=reader,
-                  node_read=node_read(reader.backend, plan, plan.node_of(rank), load_id, address) if together else None)
+    else:  # as raylazy.load reads (`read`: the node-read driver's), the exchange meeting through a file here
+        node_read = read.node_read
+        if read.reader.backend == "exchange":
+            node_read = replace(node_read, address=meet_through(meet, rank, 60.0))
+        read_rank(rp, "cpu", options=read.reader, node_read=node_read)
 
 
-def _rank(loader, plan, rank, files, load_id, meet, reader, go, done) -> None:
+def _rank(loader, plan, rank, files, load_id, meet, read, go, done) -> None:
     import torch
 
     torch.set_num_threads(1)
     go.wait()
     t = time.perf_counter()
     try:
-        _load(loader, torch, plan, rank, files, load_id, meet, reader)
+        _load(loader, torch, plan, rank, files, load_id, meet, read)
         done.put((rank, time.perf_counter() - t, None))
     except BaseException as e:  # noqa: BLE001  (reported in the table)
         done.put((rank, time.perf_counter() - t, f"{type(e).__name__}: {e}".splitlines()[0][:80]))
@@ -82,21 +84,24 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
     import raylazy
     from raylazy.core.options import ReaderOptions
     from raylazy.core.schedule import with_node_schedules
-    from raylazy.io.backends import rank_reader
+    from raylazy.io.nodes import node_reads
     from raylazy.storage import storage_for
 
     with PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"].mount(model_dir) as fs, \
             tempfile.TemporaryDirectory(prefix="raylazy-netfs-meet-") as meeting:
         plan = raylazy.plan(fs.mountpoint, tp=tp)
-        reader = rank_reader(ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root, plan.storage)), tp, "cpu",
-                             plan.files, plan.storage)
-        plan = with_node_schedules(plan, ["node0"] * tp, reader.stripe_bytes if loader == "raylazy" else None)
+        load_id = f"netfsbench{os.getpid()}x{time.monotonic_ns()}"
+        shaped = ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root, plan.storage))
+        reads = [None] * tp
+        if loader == "raylazy":
+            plan, reads = node_reads(plan, ["node0"] * tp, ["cpu"] * tp, shaped, load_id, lambda ranks: [""])
+        else:
+            plan = with_node_schedules(plan, ["node0"] * tp)
         files = checkpoint_files(fs.mountpoint)
         fs.reset()  # planning's header reads are not the load's
         go, done = _FORK.Event(), _FORK.Queue()
-        load_id = f"netfsbench{os.getpid()}x{time.monotonic_ns()}"
         meet = os.path.join(meeting, "address")  # where an exchange's local rank 0 names its address
-        procs = [_FORK.Process(target=_rank, args=(loader, plan, r, files, load_id, meet, reader, go, done))
+        procs = [_FORK.Process(target=_rank, args=(loader, plan, r, files, load_id, meet, reads[r], go, done))
                  for r in range(tp)]
         for p in procs:
             p.start()

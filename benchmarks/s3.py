@@ -101,8 +101,8 @@ def _load(torch, loader: str, plan, rp, spec: dict):
     if loader == "runai":
         return impls.load_runai(torch, rp, [f.uri for f in plan.files], distributed=bool(spec.get("world")))
     if spec.get("world"):
-        from raylazy.io.backends import node_read
         from raylazy.io.exchange import read_rank_exchanged
+        from raylazy.io.nodes import node_read
 
         task = node_read("exchange", plan, plan.nodes[0], "", spec["address"])
         return read_rank_exchanged(rp, "cpu", node_read=task, options=options)[0]

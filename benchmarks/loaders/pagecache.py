@@ -2,7 +2,7 @@
 
 Eviction is `posix_fadvise(POSIX_FADV_DONTNEED)`, which drops a file's clean,
 unmapped pages (no `drop_caches`: other processes' caches stay). Residency is
-`mincore(2)` on a fresh PROT_READ mapping of the file (`raylazy.io.cooperative.pages_in_cache`), which faults nothing in.
+`mincore(2)` on a fresh PROT_READ mapping of the file (`raylazy.io.mapping.pages_in_cache`), which faults nothing in.
 Holding is `mlock(2)` on such a mapping: a proactive reclaim (DAMON's pageout,
 which some virtual machines run) takes idle pages of a cached file within
 seconds, and a run that starts later would read them back one fault at a time.
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from raylazy.io.cooperative import pages_in_cache
+from raylazy.io.mapping import pages_in_cache
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

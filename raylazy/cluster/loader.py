@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.choices import choose_transport
 from ..core.mesh import Coord, Mesh
 from ..core.options import LoadOptions, load_options
 from ..core.plans import Plan, format_bytes
@@ -29,10 +30,6 @@ from .loading import Load
 from .portable import portable_shards
 
 log = logging.getLogger("raylazy")
-
-#: How `LoadedModel.refs` may send shards, and the devices each transport carries.
-TRANSPORT_DEVICES = {"object_store": ("cpu", "cuda"), "cuda_ipc": ("cuda",), "nccl": ("cuda",), "gloo": ("cpu",),
-                     "nixl": ("cpu", "cuda")}
 
 
 @dataclass
@@ -83,7 +80,7 @@ class LoadedModel:
         """
         transport = transport or self.options.transport
         if transport not in self._refs:
-            self._refs[transport] = [_shards_ref(a, _transport_for(transport, info.device))
+            self._refs[transport] = [_shards_ref(a, choose_transport(transport, info.device, {"cpu": "object_store", "cuda": "cuda_ipc"}))
                                      for a, info in zip(self.actors, self.group.ranks)]
         return self._refs[transport]
 
@@ -228,19 +225,6 @@ def _replicated(model_dir, tp, pp, mesh, rules, replicas: int, source: LoadedMod
     else:
         base = mesh if mesh is not None else Mesh(tp=1 if tp is None else tp, pp=1 if pp is None else pp)
     return None, None, Mesh(**{**base.shape, "dp": replicas})
-
-
-def _transport_for(transport: str, device: str) -> str:
-    """The concrete transport for shards on `device` ("auto" chosen by device); one that cannot carry them is refused."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    if transport == "auto":
-        return "cuda_ipc" if kind == "cuda" else "object_store"
-    if transport not in TRANSPORT_DEVICES:
-        raise ConfigurationError(f"transport {transport!r} is not one of auto, {', '.join(TRANSPORT_DEVICES)}")
-    if kind not in TRANSPORT_DEVICES[transport]:
-        usable = [t for t, kinds in TRANSPORT_DEVICES.items() if kind in kinds]
-        raise ConfigurationError(f"transport {transport!r} cannot carry shards on {device}: use one of {', '.join(usable)}")
-    return transport
 
 
 def _shards_ref(actor, transport: str):

@@ -14,14 +14,16 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..core.choices import choose_transport
 from ..core.mesh import Coord, Mesh
 from ..core.options import LoadOptions, ReaderOptions
 from ..core.planner import with_replicas
 from ..core.plans import Plan, check_same_layout
 from ..core.rules import RulesLike
-from ..core.schedule import NodeRead, group_by_node, node_schedule
+from ..core.schedule import NodeRead
 from ..errors import ConfigurationError, PeerFailedError, RankFailedError, first_line
-from ..io.backends import NODE_BACKENDS, check_backend, node_read, rank_reader
+from ..io.backends import check_backend
+from ..io.nodes import node_reads
 from ..io.stats import ReadStats
 from ..planning import make_plan
 from ..storage import storage_for
@@ -30,6 +32,9 @@ from .bundles import check_placeable, rank_bundles, stage_strategy
 from .group import Deadline, RankGroup, cause
 
 log = logging.getLogger("raylazy")
+
+#: How a rank may copy its shards from a live replica's rank (`LoadOptions.peer_transport`).
+PEER_TRANSPORTS = ("object_store", "nccl", "gloo")
 
 
 class Load:
@@ -124,22 +129,17 @@ class Load:
         self.group.refresh(self.deadline, "start" if self.held is None else self.what)
 
     def _read(self, plan: Plan) -> tuple[Plan, list[ReadStats]]:
-        """Replica 0's ranks read their shards from storage, each with its backend and, reading with its node, the
-        node's NodeRead; returns the plan with their nodes' schedules and their ReadStats."""
+        """Replica 0's ranks read their shards from storage as the node-read driver says (`raylazy.io.nodes`: each
+        with its backend and, reading with its node, the node's NodeRead); returns the plan with their nodes'
+        schedules and their ReadStats."""
         import ray
 
-        first = plan.mesh.size // plan.mesh.dp
-        ranks = self.group.ranks[:first]
-        nodes = group_by_node([r.node_id for r in ranks])
-        shaped = self._reader(plan)
-        readers = [rank_reader(shaped, len(nodes.peers(r.rank)), r.device, plan.files, plan.storage) for r in ranks]
-        if any(r.backend in NODE_BACKENDS for r in readers):
-            stripe = shaped.stripe_bytes
-            plan = plan.model_copy(update={"nodes": tuple(node_schedule(plan, peers, node, stripe)
-                                                          for node, peers in nodes.nodes.items())})
+        ranks = self.group.ranks[: plan.mesh.size // plan.mesh.dp]
         load_id = uuid.uuid4().hex[:16]
-        reads = self._node_reads(plan, readers, load_id)
-        calls = [self._read_call(r, plan, readers[r], reads[r]) for r in range(first)]
+        plan, reads = node_reads(plan, [r.node_id for r in ranks], [r.device for r in ranks], self._reader(plan),
+                                 load_id, self._meeting)
+        shared = {id(r.node_read): ray.put(r.node_read) for r in reads if r.node_read is not None}  # once a node
+        calls = [self._read_call(i, plan, r.reader, shared.get(id(r.node_read))) for i, r in enumerate(reads)]
         try:
             return plan, self._wait_reads(calls, plan)
         except BaseException:
@@ -155,19 +155,10 @@ class Load:
         reader = self.options.reader
         return reader.shaped(storage_for(plan.root, reader.storage_options).cost_model(plan.root, plan.storage))
 
-    def _node_reads(self, plan: Plan, readers: list[ReaderOptions], load_id: str) -> list:
-        """Per rank, the NodeRead of its node (one per node, put in the object store once for all its ranks), or
-        None for a rank reading alone; an exchanging node's meeting address is asked of its first rank."""
-        import ray
-
-        backends = {plan.node_of(r).node: rd.backend for r, rd in enumerate(readers) if rd.backend in NODE_BACKENDS}
-        meet = [n for n in plan.nodes if backends.get(n.node) == "exchange"]
-        asked = self.group.gather([self.group.actors[n.ranks[0]].exchange_address.remote() for n in meet],
-                                  self.deadline, "exchange address")
-        addresses = {n.node: a for n, a in zip(meet, asked)}
-        shared = {n.node: ray.put(node_read(backends[n.node], plan, n, load_id, addresses.get(n.node, "")))
-                  for n in plan.nodes if n.node in backends}
-        return [shared[plan.node_of(r).node] if rd.backend in NODE_BACKENDS else None for r, rd in enumerate(readers)]
+    def _meeting(self, ranks: list[int]) -> list[str]:
+        """The exchange's meeting addresses of `ranks` (each its node's first), asked of them."""
+        return self.group.gather([self.group.actors[r].exchange_address.remote() for r in ranks], self.deadline,
+                                 "exchange address")
 
     def _read_call(self, rank: int, plan: Plan, reader: ReaderOptions, read: NodeRead | None = None):
         """Rank `rank` reads its plan: into new shards (`load`) or the ones it holds (`reload`)."""
@@ -211,8 +202,9 @@ class Load:
         src_mesh, src_replicas = (source.plan.mesh, source.plan.mesh.dp) if source is not None else (plan.mesh, 1)
         feeds = [source_rank(src_mesh, plan.mesh.coord(r), src_replicas) for r in ranks]
         devices = {feeding.ranks[s].device for s in feeds} | {self.group.ranks[r].device for r in ranks}
-        transport = peer_transport(self.options.peer_transport,
-                                   "cuda" if all(d.startswith("cuda") for d in devices) else "cpu")
+        transport = choose_transport(self.options.peer_transport,
+                                     "cuda" if all(d.startswith("cuda") for d in devices) else "cpu",
+                                     {"cpu": "object_store", "cuda": "nccl"}, "peer_transport", PEER_TRANSPORTS)
         refs = {r: self.group.actors[r].receive.remote(feeding.actors[s], plan.ranks[r], self.options.reader, transport,
                                                        self.held is not None) for r, s in zip(ranks, feeds)}
         _, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.deadline.left())
@@ -256,15 +248,3 @@ def source_rank(mesh: Mesh, coord: Coord, replicas: int) -> int:
     """The rank of `mesh` that rank `coord` copies from: the same stage and tp rank, in replica
     `coord.replica % replicas` (receivers spread over the first `replicas` replicas that hold shards)."""
     return mesh.rank(dp=coord.replica % replicas, pp=coord.stage, tp=coord.tp_rank)
-
-
-def peer_transport(option: str, device: str) -> str:
-    """The transport for copying shards on `device`: "auto" is the object store on the CPU, NCCL on a GPU;
-    one that cannot carry the device is refused."""
-    cuda = device.startswith("cuda")
-    if option == "auto":
-        return "nccl" if cuda else "object_store"
-    if (option == "nccl" and not cuda) or (option == "gloo" and cuda):
-        raise ConfigurationError(f"peer_transport={option!r} cannot carry shards on {device}: use 'auto', "
-                                 f"'object_store' or {'nccl' if cuda else 'gloo'!r}")
-    return option

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..errors import ConfigurationError
+from .choices import choose_backend
 from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .hardware import Hardware, hardware_from
 from .options import DEFAULT_STRIPE_BYTES
 from .plans import Plan, format_bytes
-from .schedule import PAGE, node_backend, node_schedule, node_union, rank_keeps
+from .schedule import PAGE, node_schedule, node_union, rank_keeps
 
 LOADERS = ("raylazy", "naive", "vllm")
 #: Reader threads of a rank on local storage (`ReaderOptions.threads`); on network storage, the storage's connections.
@@ -129,7 +130,7 @@ def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader
              seen: dict) -> dict:
     """The storage, copy, exchange and device figures of one node's reading ranks."""
     st = hw.storage
-    name = node_backend(backend, len(ranks), hw.device, st.page_cache) if loader == "raylazy" else loader
+    name = choose_backend(backend, len(ranks), hw.device, st.page_cache).backend if loader == "raylazy" else loader
     shards = tuple(sum(t.nbytes for t in plan.ranks[r].tensors) for r in ranks)
     zero = tuple(0 for _ in ranks)
     threads = min(64, st.connections) if st.network else LOCAL_THREADS

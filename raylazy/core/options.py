@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -85,7 +86,7 @@ class ReaderOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     #: "auto": for ranks that share a node, cooperative on CPUs and exchange on GPUs (and for objects, which have no
-    #: page cache to share); ranged for a rank alone on its node (`raylazy.io.backends.backend_for`).
+    #: page cache to share); ranged for a rank alone on its node (`raylazy.core.choices.choose_backend`).
     backend: Literal["auto", "ranged", "cooperative", "exchange", "fastsafetensors"] = "auto"
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
@@ -194,3 +195,36 @@ def load_options(**kwargs) -> LoadOptions:
                      None)
         (groups[owner] if owner else top)[key] = value
     return validated(LoadOptions, **top, **{g: validated(cls, **groups[g]) for g, cls in _GROUPS.items()})
+
+
+#: Default bytes of regions read per batch (beyond those read straight into their destination).
+DEFAULT_BATCH_BYTES = 256 << 20
+
+
+class ServingOptions(BaseModel):
+    """How regions are served to a consumer (`raylazy.io.serving`; the vLLM format's lazy weights): the reader (`ReaderOptions`: backend, threads, queue_size, chunk_bytes, ...),
+    row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
+    deciding each strided region on object storage), the batches (about `batch_bytes` of regions each besides
+    those read in place; `batches_ahead` read beyond the ones being used: host memory about (batches_ahead + 2)
+    x batch_bytes), `replay` (False: a recorded consumer is run a second time, never replayed) and `warm_copies`
+    (True: where the backend copies out of the files' mappings, "auto" or "cooperative", and the files are in the
+    page cache, nothing is recorded: the consumer's one run copies each region out of the mapping as it asks;
+    False: always record, read and replay)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    reader: ReaderOptions = ReaderOptions()
+    max_gap: int | None = Field(None, ge=0)
+    batch_bytes: int = Field(DEFAULT_BATCH_BYTES, ge=4096)
+    batches_ahead: int = Field(1, ge=0, le=64)
+    replay: bool = True
+    warm_copies: bool = True
+
+
+def serving_options(options: Mapping | None) -> ServingOptions:
+    """Validate flat options (the reader's and ServingOptions' own: vLLM's `model_loader_extra_config`): a ConfigurationError names each bad or unknown one."""
+    if not isinstance(options, Mapping):
+        raise ConfigurationError(f"options must be a mapping of option names to values, got {type(options).__name__}")
+    reader = {k: v for k, v in options.items() if k in ReaderOptions.model_fields}
+    rest = {k: v for k, v in options.items() if k not in reader}
+    return validated(ServingOptions, **rest, reader=validated(ReaderOptions, **reader))

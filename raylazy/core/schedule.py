@@ -143,7 +143,7 @@ def group_by_node(node_ids: Sequence[str]) -> NodeGroups:
 class NodeRead:
     """One read by the ranks of a node together (a node backend), the same for each of them: the node's schedule,
     its ranks' plans in `schedule.ranks` order where the backend needs them (an exchange reader sends each rank
-    what it keeps; `raylazy.io.backends.node_read` builds it), an id unique to the read (it names the node's ready
+    what it keeps; `raylazy.io.nodes.node_read` builds it), an id unique to the read (it names the node's ready
     map, for cooperative stripe readers) and where the ranks meet (the exchange's rendezvous address)."""
 
     schedule: NodeSchedule
@@ -160,22 +160,6 @@ class Keep(NamedTuple):
     rank: int
     tensor: int
     part: Part
-
-
-def node_backend(name: str, peers: int, device: str, page_cache: bool) -> str:
-    """The backend a rank uses for the requested `name` with `peers` ranks on its node (itself included), loading to
-    `device`, its files on storage with or without a shared `page_cache`: "auto" is "ranged" alone on a node, else
-    the page cache shared ("cooperative") on the CPU, the exchange on a GPU or without a page cache to share (which
-    also turns "cooperative" into the exchange)."""
-    if name not in ("auto", "cooperative", "exchange"):
-        return name
-    if name == "auto" and peers < 2:
-        return "ranged"
-    if not page_cache:
-        return "exchange"
-    if name == "auto":
-        return "cooperative" if device == "cpu" else "exchange"
-    return name
 
 
 def with_node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0) -> Plan:

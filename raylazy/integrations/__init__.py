@@ -1,2 +1,3 @@
-"""raylazy inside other systems, on the core and the readers (not the Ray layer): lazy weights (`lazy`, `recording`,
-`options`, `serving`, `report`: which bytes a consumer's use says to read) and a vLLM load format (`vllm`)."""
+"""raylazy inside other systems, on the core and the readers (not the Ray layer): lazy weights (`lazy`, `recording`:
+which bytes a consumer's use says to read; `runs`, `reload`: a load's and a reload's runs over them), and a vLLM
+load format (`vllm`, `worker`, `report`)."""

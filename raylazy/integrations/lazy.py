@@ -6,9 +6,8 @@ What only rearranges a tensor reads nothing: `narrow`, `select`, basic indexing,
 `contiguous`, and `to`/`float`/... (applied when the bytes come, each conversion in turn). Such a weight is its
 `Region` (a box of the full tensor, `raylazy.core.boxes`) seen through a `Lens` (which box dim each of its dims
 shows, and its conversions). `dst.copy_(weight)` and `dst[index] = weight` are copies its run defers
-(`raylazy.integrations.recording`); any other use (`.item()`, arithmetic, `torch.cat`, an in-place op, ...) is an op
-raylazy cannot follow: the weight's region, as far as it was narrowed, is read there and then, counted as opaque,
-and from then on the weight is that tensor. Weights that would be views of one tensor in eager torch share a
+(`raylazy.integrations.recording`); any other use (`.item()`, arithmetic, `torch.cat`, an in-place op, ...) reads
+the weight's region, as far as it was narrowed, there and then (counted as opaque): the weight is that tensor. Weights that would be views of one tensor in eager torch share a
 `_Memory`: one changed in place makes a use of another where they meet a `LazyWeightError`, never stale bytes.
 """
 
@@ -68,8 +67,8 @@ class Lens:
 
 
 def lazy_weights(ckpt: Checkpoint, run) -> Iterator[tuple[str, LazyWeight]]:
-    """(name, LazyWeight) for every tensor of the checkpoint, in file order; `run` (a `Recording`, or a
-    `raylazy.integrations.serving.Serving`) takes their bytes and copies."""
+    """(name, LazyWeight) for every tensor of the checkpoint, in file order; `run` (a `Recording`, or `Served`: a
+    serving of their regions) takes their bytes and copies."""
     for fi, t in ckpt.tensors():
         yield t.name, LazyWeight(run, Region.whole(fi, t), Lens(tuple(range(len(t.shape)))), _Memory())
 
@@ -279,12 +278,6 @@ class LazyWeight:
             return self
         return self._with(copy=True, dtypes=dtypes, device=device or self.lens.device)
 
-    def float(self): return self.to(torch.float32)  # noqa: E704
-    def half(self): return self.to(torch.float16)  # noqa: E704
-    def bfloat16(self): return self.to(torch.bfloat16)  # noqa: E704
-    def double(self): return self.to(torch.float64)  # noqa: E704
-    def cpu(self): return self.to("cpu")  # noqa: E704
-
     @_follows
     def chunk(self, chunks: int, dim: int = 0) -> tuple[LazyWeight, ...]:
         n = self.shape[self._dim(dim)]
@@ -398,6 +391,9 @@ def _operator(name: str):
     return op
 
 
+for _name, _to in (("float", torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16),
+                  ("double", torch.float64), ("cpu", "cpu")):
+    setattr(LazyWeight, _name, functools.partialmethod(LazyWeight.to, _to))
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__",
               "__float__", "__int__", "__array__"):
     setattr(LazyWeight, _name, _operator(_name))

@@ -2,7 +2,8 @@
 the regions ops it cannot follow read at once, and whether replaying the deferred copies (in any order that keeps
 overlapping destinations in turn) leaves the consumer's tensors as the run would have: no tensor a deferred copy
 writes was used by another op afterwards (a `TorchFunctionMode` watches the run), and every destination is one of
-the model's own tensors. Otherwise the consumer runs again (`raylazy.integrations.serving`).
+the model's own tensors. Otherwise the consumer runs again. `Served` is a run over a serving of the regions
+(`raylazy.io.serving`); `replay` makes the recorded copies out of one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,30 @@ class Copy:
         if not _same_memory(src, self.dst):
             self.dst.copy_(src)
         return self.dst
+
+
+class Served:
+    """Lazy weights' run over a serving of their regions (`raylazy.io.serving`): a take is the serving's, a copy
+    is made out of the region's box."""
+
+    def __init__(self, serving):
+        self.serving = serving
+
+    def take(self, region: Region) -> torch.Tensor:
+        return self.serving.take(region)
+
+    def copy_into(self, dst: torch.Tensor, weight: LazyWeight) -> torch.Tensor:
+        return Copy(dst, weight.region, weight.lens).do(self.serving.box(weight.region))
+
+
+def replay(serving, copies: list[Copy]) -> None:
+    """Make the recorded copies out of `serving`: in its order (checkpoint order out of the files' mappings) where
+    it reads in that order or no two destinations overlap, else in the order recorded."""
+    if serving.ordered or not overlapping([c.dst for c in copies]):
+        copies = sorted(copies, key=lambda c: serving.order(c.region))
+    for c in copies:
+        c.do(serving.box(c.region))
+        serving.copied_from(c.region)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

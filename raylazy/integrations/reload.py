@@ -24,10 +24,13 @@ import torch
 from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
 from ..errors import ReloadError, first_line
+from ..io.nodes import NodeGroup
+from ..io.regions import RegionReader
+from ..io.serving import AtOnce, Serving
 from ..io.stats import Meter
 from .lazy import lazy_weights
+from .recording import Served
 from .report import summary
-from .serving import AtOnce, NodeGroup, RegionReader, Serving
 
 #: The model attribute that keeps what a reload needs of the first load.
 KEPT = "raylazy_kept"
@@ -69,20 +72,21 @@ def keep(model: torch.nn.Module, model_config, ckpt: Checkpoint, takes: dict[Reg
                               next(model.parameters()).device, param_bytes))
 
 
-class _Run:
+class _Run(Served):
     """What a reload's lazy weights take their bytes from: copies into meta tensors (vLLM's count) read nothing;
     every take is counted (the next reload's recording); a failed take undoes the reload's unfinished layers."""
 
     def __init__(self, serving: Serving | AtOnce, fail):
-        self.serving, self.fail, self.taken = serving, fail, Counter()
+        super().__init__(serving)
+        self.fail, self.taken = fail, Counter()
 
     def take(self, region: Region) -> torch.Tensor:
-        return self._counted(region, self.serving.take, region)
+        return self._counted(region, super().take, region)
 
     def copy_into(self, dst: torch.Tensor, weight) -> torch.Tensor:
         if dst.is_meta:
             return dst.copy_(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
-        return self._counted(weight.region, self.serving.copy_into, dst, weight)
+        return self._counted(weight.region, super().copy_into, dst, weight)
 
     def _counted(self, region: Region, how, *args) -> torch.Tensor:
         self.taken[key(region)] += 1

@@ -1,63 +1,19 @@
-"""What serving a run of lazy weights took (`LazyStats`), and the vLLM worker's log line of it: `summary` writes
-it, `fields` reads its numbers back (what the tests and benchmarks read it with; the numbers: docs/vllm.md)."""
+"""The vLLM worker's log line of what serving its lazy weights took (`raylazy.io.stats.ServingStats`): `summary`
+writes it, `fields` reads its numbers back (what the tests and benchmarks read it with; the numbers: docs/vllm.md)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..core.plans import format_bytes
-from ..io.stats import ReadStats
+from ..io.stats import ServingStats
 
 #: How every worker's line begins.
 PREFIX = "raylazy: rank "
 _FIELD, _DECIMAL = re.compile(r"(\w+)=(\S+)"), re.compile(r"\d+\.\d+")
 
 
-@dataclass
-class LazyStats:
-    """What serving a run took. Counted: `regions`, `bytes_needed` (the distinct regions wanted, their bytes),
-    `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
-    follow took, read at once as far as narrowed; `whole_opaque`: whole tensors), `unplanned_*` (regions only a
-    second run took). Planned (the readers' plan or node schedule, not measured): `planned_bytes_read`,
-    `planned_requests`, `node_bytes` (the node's union, once). Measured: `received_bytes` (from the node's other
-    processes), `read_seconds`."""
-
-    backend: str = "ranged"
-    #: The storage kind read (`ReadStats.storage`) and the read shape: most requests in flight, their largest size.
-    storage: str = ""
-    in_flight: int = 0
-    request_bytes: int = 0
-    node_processes: int = 1
-    regions: int = 0
-    bytes_needed: int = 0
-    in_place_bytes: int = 0
-    planned_bytes_read: int = 0
-    planned_requests: int = 0
-    node_bytes: int = 0
-    received_bytes: int = 0
-    batches: int = 0
-    read_seconds: float = 0.0
-    opaque_regions: int = 0
-    opaque_bytes: int = 0
-    whole_opaque: int = 0
-    unplanned_regions: int = 0
-    unplanned_bytes: int = 0
-
-    def add_read(self, stats: ReadStats) -> None:
-        self.planned_bytes_read += stats.bytes_read
-        self.planned_requests += stats.requests
-        self.received_bytes += stats.bytes_received
-        self.read_seconds += stats.seconds
-        self.in_flight, self.request_bytes = max(self.in_flight, stats.in_flight), max(self.request_bytes, stats.request_bytes)
-
-    def count_opaque(self, opaque: dict) -> None:
-        """The regions ops raylazy cannot follow took (region -> takes)."""
-        self.opaque_regions, self.opaque_bytes = len(opaque), sum(r.nbytes for r in opaque)
-        self.whole_opaque = sum(r.sizes == r.tensor.shape for r in opaque)
-
-
-def summary(rank: int, s: LazyStats, checkpoint_bytes: int, params: int, mode: str, why: str, rchar: int | None,
+def summary(rank: int, s: ServingStats, checkpoint_bytes: int, params: int, mode: str, why: str, rchar: int | None,
             seconds: float) -> str:
     """A worker's log line: words, then the numbers as key=value in brackets (`fields` reads them)."""
     node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""

@@ -10,23 +10,25 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..core.checkpoint import Checkpoint
+from ..core.options import ServingOptions
+from ..io.nodes import NodeGroup
+from ..io.regions import RegionReader
+from ..io.serving import AtOnce, Serving
 from .lazy import lazy_weights
-from .options import LazyOptions
-from .recording import Recording, in_place, overlapping, wanted
-from .serving import AtOnce, NodeGroup, RegionReader, Serving
+from .recording import Recording, Served, in_place, overlapping, replay, wanted
 
 
 def at_once(consume: Callable, ckpt: Checkpoint, reads: RegionReader, group: NodeGroup | None):
     """`consume(weights)` once, over lazy weights copied out of the page cache as it asks, then this process's part
     in the load's gathering (`AtOnce`: processes that found the checkpoint elsewhere record, and read together
     without it): (what it returned, mode, why, each region's takes)."""
-    with AtOnce(reads, group) as run:
-        got = consume(lazy_weights(ckpt, run))
-    return got, "at-once", "the checkpoint in the page cache", dict(run.taken)
+    with AtOnce(reads, group) as serving:
+        got = consume(lazy_weights(ckpt, Served(serving)))
+    return got, "at-once", "the checkpoint in the page cache", dict(serving.taken)
 
 
 def recorded(consume: Callable, targets: Callable[[], Iterable[torch.Tensor]], ckpt: Checkpoint, reads: RegionReader,
-             options: LazyOptions, device: torch.device, group: NodeGroup | None):
+             options: ServingOptions, device: torch.device, group: NodeGroup | None):
     """`consume(weights)` recorded over lazy weights, the regions read (with the node's processes), then the
     recording replayed (only into `targets()`: the model's parameters and buffers) or `consume` run again: (what
     it returned, mode, why not a replay, each region's takes)."""
@@ -34,17 +36,17 @@ def recorded(consume: Callable, targets: Callable[[], Iterable[torch.Tensor]], c
     with recording.watching():
         got = consume(lazy_weights(ckpt, recording))
     recording.check_targets(targets())
-    replay = options.replay and recording.replayable
-    out = in_place(recording.copies, device) if replay else {}
-    takes = wanted(recording.copies, None if replay else recording.opaque)
-    ordered = replay and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
+    replays = options.replay and recording.replayable
+    out = in_place(recording.copies, device) if replays else {}
+    takes = wanted(recording.copies, None if replays else recording.opaque)
+    ordered = replays and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
     # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
-    with Serving(reads, takes, out, group, device if replay else "cpu", ordered) as serving:
-        if replay:
-            serving.replay(recording.copies)
+    with Serving(reads, takes, out, group, device if replays else "cpu", ordered) as serving:
+        if replays:
+            replay(serving, recording.copies)
         else:
-            got = consume(lazy_weights(ckpt, serving))
+            got = consume(lazy_weights(ckpt, Served(serving)))
     reads.stats.count_opaque(recording.opaque)
     # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
-    return (got, "replay" if replay else "rerun", recording.why_not_replayable,
+    return (got, "replay" if replays else "rerun", recording.why_not_replayable,
             wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}))

@@ -7,9 +7,9 @@ process that does not load with raylazy does not pay for them. In each worker, `
 model's own `load_weights` over lazy weights (`raylazy.integrations.lazy`: which region of each checkpoint tensor
 its weight loaders copy where), then reads those regions with raylazy's readers, with the node's other workers,
 and replays the copies, or runs `load_weights` again where the recording cannot be replayed
-(`raylazy.integrations.worker`, `raylazy.integrations.serving`). Where the checkpoint is in the page cache
+(`raylazy.integrations.worker`, `raylazy.io.serving`). Where the checkpoint is in the page cache
 already (for every worker), there is nothing to plan: the one run copies each region out of the files' mappings
-as it asks. Options: `model_loader_extra_config` (`LazyOptions`). Each worker logs one line
+as it asks. Options: `model_loader_extra_config` (`ServingOptions`). Each worker logs one line
 (`raylazy.integrations.report.summary`).
 """
 
@@ -75,11 +75,11 @@ class RaylazyModelLoader(BaseModelLoader):
         # passes would cost more than the import. A later one (vLLM makes one for each in-place reload) imports
         # nothing, and its pause makes too little to promote.
         with gc_paused():
+            from ..core.options import serving_options
             from . import worker  # raylazy's readers: imported where a loader is made, not in every vLLM process
-            from .options import lazy_options
 
         self.worker = worker
-        self.options = lazy_options(load_config.model_loader_extra_config)  # ConfigurationError naming a bad one
+        self.options = serving_options(load_config.model_loader_extra_config)  # ConfigurationError naming a bad one
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.worker.checkpoint(model_config, self.options)

@@ -13,18 +13,19 @@ from vllm.config import ModelConfig
 from vllm.logger import init_logger
 
 from ..core.checkpoint import Checkpoint
+from ..core.options import ServingOptions
+from ..io.nodes import NodeGroup, ProcessGroupNode
+from ..io.regions import RegionReader
 from ..io.stats import Meter
 from ..storage import open_checkpoint
-from .options import LazyOptions
 from .reload import keep, weights_for_reload
 from .report import summary
 from .runs import at_once, recorded
-from .serving import NodeGroup, ProcessGroupNode, RegionReader
 
 logger = init_logger("vllm.raylazy")
 
 
-def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: LazyOptions):
+def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: ServingOptions):
     """Load this worker's weights of `model` from the checkpoint `model_config` names; returns what the model's
     `load_weights` says it loaded (None where the model's loader says nothing)."""
     meter = Meter()
@@ -44,13 +45,13 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Laz
     return loaded
 
 
-def reload_weights(model: torch.nn.Module, model_config: ModelConfig, options: LazyOptions):
+def reload_weights(model: torch.nn.Module, model_config: ModelConfig, options: ServingOptions):
     """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now names,
     as lazy weights served synchronously (`raylazy.integrations.reload`)."""
     return weights_for_reload(model, model_config, options, checkpoint, _workers(), logger)
 
 
-def checkpoint(model_config: ModelConfig, options: LazyOptions) -> Checkpoint:
+def checkpoint(model_config: ModelConfig, options: ServingOptions) -> Checkpoint:
     """The checkpoint a model config names: the loader's one way to its files. For a model in object storage vLLM
     keeps the URI in `model_weights` (`model` is a local directory of its config files): the weights are read
     from there, reached with the options' `storage_options` (else the environment)."""

@@ -1,18 +1,17 @@
-"""The registry of rank readers (each backend's read function and the driver-side check of what it can read), the
-backend and reader options each rank uses, the `NodeRead` a node backend's ranks read together, and `read_rank`: one rank's plan
-executed in any process with its backend."""
+"""The registry of rank readers (each backend's read function and the driver-side check of what it can read), and
+`read_rank`: one rank's plan executed in any process with its backend (chosen by `raylazy.core.choices`; the node
+reads by `raylazy.io.nodes`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..core.kinds import StorageKind
+from ..core.choices import alone_backend
 from ..core.options import ReaderOptions
-from ..core.plans import FileRef, NodeSchedule, Plan, RankPlan
-from ..core.schedule import NodeRead, node_backend
+from ..core.plans import RankPlan
+from ..core.schedule import NodeRead
 from ..errors import ConfigurationError
-from ..storage import local_path
 from .stats import Progress, ReadStats
 from .watch import watched
 
@@ -52,51 +51,6 @@ def check_backend(name: str, plans) -> None:
         check(plan)
 
 
-#: Backends whose ranks read together with the other ranks of their node (each given its node's `NodeRead`).
-NODE_BACKENDS = ("cooperative", "exchange")
-
-
-def backend_for(name: str, peers: int, device: str, files: tuple[FileRef, ...],
-                storage: StorageKind | None = None) -> str:
-    """The backend a rank uses for the requested `name`, with `peers` ranks on its node (itself included) and
-    loading to `device`, the files on `storage`. "auto": a rank sharing its node reads cooperatively, through the
-    page cache on the CPU ("cooperative") or stripes exchanged over NCCL on a GPU ("exchange"); a rank alone on
-    its node reads its own ranges ("ranged": they are already exactly its pages). Files with no page cache to
-    share (object storage, a FUSE mount serving direct_io) are read by the node through the exchange (each stripe
-    fetched once per node, gloo on CPUs), "cooperative" included."""
-    return node_backend(name, peers, device, shares_page_cache(files, storage))
-
-
-def shares_page_cache(files: tuple[FileRef, ...], storage: StorageKind | None = None) -> bool:
-    """Whether the files are local ones on `storage` whose page cache a mapping of them shares (not object
-    storage, not a FUSE mount serving direct_io)."""
-    return all(local_path(f.uri) is not None for f in files) and (storage is None or storage.page_cache)
-
-
-def rank_reader(reader: ReaderOptions, ranks_on_node: int, device: str = "cpu", files: tuple = (),
-                storage: StorageKind | None = None) -> ReaderOptions:
-    """The rank's reader options: its backend chosen (`backend_for`); fastsafetensors with nogds=None: a rank
-    sharing its node with other ranks must not use GDS."""
-    reader = reader.model_copy(update={"backend": backend_for(reader.backend, ranks_on_node, device, files, storage)})
-    if reader.backend == "fastsafetensors" and reader.nogds is None and ranks_on_node > 1:
-        return reader.model_copy(update={"nogds": True})
-    return reader
-
-
-def node_read(backend: str, plan: Plan, schedule: NodeSchedule, load_id: str, address: str = "") -> NodeRead:
-    """What every rank of node `schedule` gets to read `plan` with node backend `backend`: the exchange's readers
-    send each rank what it keeps, so they get the plans of all the node's ranks (and `address`, where they meet);
-    cooperative ranks meet in the page cache and need only the schedule and `load_id`."""
-    plans = tuple(plan.ranks[r] for r in schedule.ranks) if backend == "exchange" else ()
-    return NodeRead(schedule, plans, load_id, address)
-
-
-def solo_backend(name: str) -> str:
-    """The backend a rank reading alone (no NodeRead) uses for the requested `name`: "auto" and the node
-    backends read "ranged", the others themselves."""
-    return "ranged" if name == "auto" or name in NODE_BACKENDS else name
-
-
 def read_rank(
     plan: RankPlan,
     device: str = "cpu",
@@ -110,7 +64,7 @@ def read_rank(
 ) -> tuple[dict, ReadStats]:
     """Execute one rank's plan in this process (no Ray needed): ({name: tensor} on `device`, its ReadStats).
 
-    `options.backend` picks the reader. With `node_read` (its node's `NodeRead`, from `node_read`) it is the node
+    `options.backend` picks the reader. With `node_read` (its node's `NodeRead`, from `raylazy.io.nodes`) it is the node
     backend chosen for the node; without, the rank reads alone: "auto" and the node backends read "ranged".
     `exchange`: for the exchange, the node's `raylazy.io.collective.Exchange`, open already and left open, for a
     caller making several node reads in turn (else the ranks meet at `node_read.address`). `out` ({name: tensor}):
@@ -123,7 +77,7 @@ def read_rank(
     until the storage answers the requests left blocked: until then `out` is refused to any read
     (BuffersInUseError).
     """
-    backend = options.backend if node_read is not None else solo_backend(options.backend)
+    backend = options.backend if node_read is not None else alone_backend(options.backend)
     together = {k: v for k, v in (("node_read", node_read), ("exchange", exchange)) if v is not None}
     read = get_backend(backend).read
     return watched(lambda: read(plan, device, options=options, on_progress=on_progress, out=out, sources=sources,

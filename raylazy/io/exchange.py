@@ -135,7 +135,7 @@ def read_rank_exchanged(
     exchange: Exchange | None = None,
 ) -> tuple[dict, ReadStats]:
     """Load `plan`'s shards on `device` cooperatively with the other ranks of its node (`node_read`, with the plans
-    of all of them: `raylazy.io.backends.node_read`); returns ({name: tensor}, stats). Every rank of the node must
+    of all of them: `raylazy.io.nodes.node_read`); returns ({name: tensor}, stats). Every rank of the node must
     call it with the same `node_read` at about the same time, each in its own process.
 
     The exchange runs over gloo for device "cpu" and NCCL for CUDA devices. `options`: `threads` threads
@@ -152,7 +152,7 @@ def read_rank_exchanged(
     if plan.rank not in sched.ranks or tuple(p.rank for p in node_read.plans) != tuple(sched.ranks):
         raise ConfigurationError(f"rank {plan.rank}: node {sched.node!r} has ranks {list(sched.ranks)} and plans for "
                                  f"{[p.rank for p in node_read.plans]}: give the node's plans in its ranks' order "
-                                 "(raylazy.io.backends.node_read)")
+                                 "(raylazy.io.nodes.node_read)")
     dev = torch.device(device)
     stats, counter, meter = ReadStats(backend="exchange", device=str(dev)), Counter(on_progress), Meter()
     rounds = NodeRounds(node_read.plans, sched)

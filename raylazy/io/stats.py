@@ -120,3 +120,46 @@ class Counter:
             self.value += n
         if self._on_progress is not None:
             self._on_progress(n)
+
+
+@dataclass
+class ServingStats:
+    """What serving a consumer's regions took (`raylazy.io.serving`). Counted: `regions`, `bytes_needed` (the distinct regions wanted, their bytes),
+    `in_place_bytes` (of those, read straight into their destination), `opaque_*` (regions an op raylazy cannot
+    follow took, read at once as far as narrowed; `whole_opaque`: whole tensors), `unplanned_*` (regions only a
+    second run took). Planned (the readers' plan or node schedule, not measured): `planned_bytes_read`,
+    `planned_requests`, `node_bytes` (the node's union, once). Measured: `received_bytes` (from the node's other
+    processes), `read_seconds`."""
+
+    backend: str = "ranged"
+    #: The storage kind read (`ReadStats.storage`) and the read shape: most requests in flight, their largest size.
+    storage: str = ""
+    in_flight: int = 0
+    request_bytes: int = 0
+    node_processes: int = 1
+    regions: int = 0
+    bytes_needed: int = 0
+    in_place_bytes: int = 0
+    planned_bytes_read: int = 0
+    planned_requests: int = 0
+    node_bytes: int = 0
+    received_bytes: int = 0
+    batches: int = 0
+    read_seconds: float = 0.0
+    opaque_regions: int = 0
+    opaque_bytes: int = 0
+    whole_opaque: int = 0
+    unplanned_regions: int = 0
+    unplanned_bytes: int = 0
+
+    def add_read(self, stats: ReadStats) -> None:
+        self.planned_bytes_read += stats.bytes_read
+        self.planned_requests += stats.requests
+        self.received_bytes += stats.bytes_received
+        self.read_seconds += stats.seconds
+        self.in_flight, self.request_bytes = max(self.in_flight, stats.in_flight), max(self.request_bytes, stats.request_bytes)
+
+    def count_opaque(self, opaque: dict) -> None:
+        """The regions ops raylazy cannot follow took (region -> takes)."""
+        self.opaque_regions, self.opaque_bytes = len(opaque), sum(r.nbytes for r in opaque)
+        self.whole_opaque = sum(r.sizes == r.tensor.shape for r in opaque)

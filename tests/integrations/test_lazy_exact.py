@@ -26,12 +26,13 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from raylazy.core.options import serving_options
 from raylazy.errors import LazyWeightError
 from raylazy.integrations.lazy import lazy_weights
-from raylazy.integrations.options import lazy_options
 from raylazy.integrations.reload import _Run
 from raylazy.integrations.runs import at_once, recorded
-from raylazy.integrations.serving import RegionReader, Serving
+from raylazy.io.regions import RegionReader
+from raylazy.io.serving import Serving
 from raylazy.storage import open_checkpoint
 from tests.support.nodes import ThreadNode
 
@@ -355,7 +356,7 @@ def check(ckpt_dir: str, code: str, params: dict, paths=tuple(PATHS)) -> set[str
     for name in paths:
         run, options = PATHS[name]
         try:
-            got, mode, stats, _ = run(ckpt_dir, code, params, lazy_options(options))
+            got, mode, stats, _ = run(ckpt_dir, code, params, serving_options(options))
         except LazyWeightError:  # only where the program changed a weight in place
             assert CHANGED.search(code), f"{name}: refused\n{code}"
             events.add("refused: a view used after an in-place change")

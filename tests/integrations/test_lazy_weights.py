@@ -14,13 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from raylazy.core.options import ServingOptions, serving_options
 from raylazy.errors import ConfigurationError, FileChangedError, ReloadError
 from raylazy.integrations.lazy import lazy_weights
-from raylazy.integrations.options import LazyOptions, lazy_options
-from raylazy.integrations.recording import Recording, broadcasts_to, in_place, wanted
+from raylazy.integrations.recording import Recording, Served, broadcasts_to, in_place, wanted
+from raylazy.integrations.recording import replay as replay_copies
 from raylazy.integrations.reload import weights_for_reload
-from raylazy.integrations.report import LazyStats, fields, summary
-from raylazy.integrations.serving import AtOnce, ProcessGroupNode, RegionReader, Serving
+from raylazy.integrations.report import fields, summary
+from raylazy.io.nodes import ProcessGroupNode
+from raylazy.io.regions import RegionReader
+from raylazy.io.serving import AtOnce, Serving
+from raylazy.io.stats import ServingStats
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support import RANK_PROCESSES
 from tests.support.checkpoints import build_checkpoint, reference_tensors
@@ -98,7 +102,7 @@ def moe_consumer(rank: int, tp: int, params: dict):
     return consume
 
 
-def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ordered=False, spy=None, group=None):
+def _run(model_dir, consume, options=ServingOptions(), replay=True, watch=dict, ordered=False, spy=None, group=None):
     """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
     consumer's own tensors (a dict), which copies may be replayed into; `ordered`: as the Serving's; `spy(serving)`
     before the replay; `group`: the node's processes loading with this one (`NodeGroup`)."""
@@ -115,9 +119,9 @@ def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ord
             if spy:
                 spy(serving)
             if replay:
-                serving.replay(rec.copies)
+                replay_copies(serving, rec.copies)
             else:
-                consume(lazy_weights(ckpt, serving))
+                consume(lazy_weights(ckpt, Served(serving)))
     return rec, reads.stats
 
 
@@ -131,7 +135,7 @@ def _run(model_dir, consume, options=LazyOptions(), replay=True, watch=dict, ord
 @pytest.mark.parametrize("rank", [0, 1])
 def test_regions_read_match_safetensors(llama_dir, rank, replay, options):
     consume, params, cuts = tp_consumer(rank, 2)
-    rec, stats = _run(llama_dir, consume, lazy_options(options), replay, watch=lambda: params)
+    rec, stats = _run(llama_dir, consume, serving_options(options), replay, watch=lambda: params)
     ref = reference_tensors(llama_dir)
     assert rec.replayable and params.keys() == ref.keys()
     for name, t in ref.items():
@@ -162,7 +166,7 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
         serving.take = lambda region, **kw: buffers.add((t := take(region, **kw)).untyped_storage().data_ptr()) \
             or time.sleep(0.01) or t
 
-    rec, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, batches_ahead=1, backend="ranged")),
+    rec, stats = _run(llama_dir, consume, serving_options(dict(batch_bytes=4096, batches_ahead=1, backend="ranged")),
                       watch=lambda: params, ordered=True, spy=spy)
     for name, t in reference_tensors(llama_dir).items():
         assert params[name].dtype == dtype and torch.equal(params[name], cuts[name](t).to(dtype)), name
@@ -269,7 +273,7 @@ def test_strided_regions_in_object_storage_are_fetched_as_the_cost_model_says(s3
     for max_gap in (0, None):
         consume, params, cuts = tp_consumer(0, 2)
         s3.reset()
-        _run(uri, consume, lazy_options(dict(max_gap=max_gap, storage_options=s3.storage_options)),
+        _run(uri, consume, serving_options(dict(max_gap=max_gap, storage_options=s3.storage_options)),
              watch=lambda params=params: params)
         gets[max_gap] = len(s3.reset().gets("lazy/llama/"))
         assert all(torch.equal(params[name], cuts[name](t)) for name, t in ref.items())
@@ -362,15 +366,15 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
                 norms[name] = w.narrow(0, 0, 8).mul_(0)  # in place, on a copy of its own: the mapping keeps its bytes
 
     for asked in ({"warm_copies": False}, {"backend": "ranged"}):  # always recorded
-        with RegionReader(ckpt, lazy_options(asked)) as reads:
+        with RegionReader(ckpt, serving_options(asked)) as reads:
             assert reads.warm() and not reads.copies_at_once()
-    with RegionReader(ckpt, LazyOptions()) as reads:
+    with RegionReader(ckpt, ServingOptions()) as reads:
         assert reads.copies_at_once()
         with AtOnce(reads) as run:
-            consume_and_scale(lazy_weights(ckpt, run))
+            consume_and_scale(lazy_weights(ckpt, Served(run)))
         stats = replace(reads.stats)
         with AtOnce(reads) as again:
-            consume(lazy_weights(ckpt, again))  # the same bytes, after the writes into the op's copies
+            consume(lazy_weights(ckpt, Served(again)))  # the same bytes, after the writes into the op's copies
     ref = reference_tensors(llama_copy)
     for name, t in ref.items():
         assert torch.equal(params[name], cuts[name](t).to(params[name].dtype)), name
@@ -386,7 +390,7 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
             os.fsync(fh.fileno())
     if evict(files):
         pytest.skip("this file system keeps the files' pages after posix_fadvise(DONTNEED)")
-    with RegionReader(ckpt, LazyOptions()) as reads:
+    with RegionReader(ckpt, ServingOptions()) as reads:
         assert not reads.warm() and not reads.copies_at_once()
 
 
@@ -401,7 +405,7 @@ def test_leaving_the_reader_unmaps_its_files_on_a_thread_that_ends(llama_dir):
             mapped = {line.split()[-1] for line in f} & paths
         return mapped, [t.name for t in threading.enumerate() if t.name == "raylazy-unmap"]
 
-    with RegionReader(ckpt, LazyOptions()) as reads:
+    with RegionReader(ckpt, ServingOptions()) as reads:
         for f in range(len(ckpt.files)):
             reads.mapping(f)
         assert left()[0] == paths
@@ -414,7 +418,7 @@ def test_leaving_the_reader_unmaps_its_files_on_a_thread_that_ends(llama_dir):
 def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
     """Two workers of one node (threads): one copies at once out of the page cache (`AtOnce`), its part in the
     load's gathering started before its run and waited for when done; the other records and plans its read
-    without it, alone on the node.
+    without it, alone on the node (as a worker with no others).
     Both end with safetensors' cut of every tensor."""
     from benchmarks.loaders.pagecache import warm
 
@@ -425,9 +429,9 @@ def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
     def worker(rank: int) -> None:
         consume, params, cuts = tp_consumer(rank, 2)
         if rank == 0:
-            with RegionReader(ckpt, LazyOptions()) as reads, AtOnce(reads, group.member(rank)) as run:
+            with RegionReader(ckpt, ServingOptions()) as reads, AtOnce(reads, group.member(rank)) as run:
                 assert reads.copies_at_once()
-                consume(lazy_weights(ckpt, run))
+                consume(lazy_weights(ckpt, Served(run)))
             results[rank] = params, cuts, reads.stats
         else:
             results[rank] = params, cuts, _run(llama_dir, consume, group=group.member(rank), watch=lambda: params)[1]
@@ -443,7 +447,8 @@ def test_a_worker_copying_at_once_stands_aside_from_the_nodes_read(llama_dir):
         assert params.keys() == ref.keys()
         for name, t in ref.items():
             assert torch.equal(params[name], cuts[name](t)), name
-    assert results[1][2].node_processes == 1 and results[1][2].backend == "ranged"
+    # alone on its node, it serves as a worker with no others does: copying out of the files' mappings
+    assert results[1][2].node_processes == 1 and results[1][2].backend == "cooperative"
 
 
 @pytest.mark.parametrize("use, replayable", [("scale", False), ("read", False), ("beside", True)])
@@ -488,7 +493,7 @@ def test_each_file_is_checked_once_per_load(llama_dir, monkeypatch):
     real = verified.open_verified
     monkeypatch.setattr(verified, "open_verified", lambda ref, *a: opened.append(ref.uri) or real(ref, *a))
     consume, params, _ = tp_consumer(0, 2)
-    _, stats = _run(llama_dir, consume, lazy_options(dict(batch_bytes=4096, backend="ranged")), replay=False,
+    _, stats = _run(llama_dir, consume, serving_options(dict(batch_bytes=4096, backend="ranged")), replay=False,
                     watch=lambda: params)
     assert stats.batches > 10
     assert sorted(opened) == sorted(set(opened)) and len(opened) == len(open_checkpoint(llama_dir).files)
@@ -499,13 +504,13 @@ def test_a_read_failure_reaches_the_take(llama_dir, tmp_path):
     model = shutil.copytree(llama_dir, tmp_path / "m")
     ckpt = open_checkpoint(model)
     consume, params, _ = tp_consumer(0, 2)
-    with RegionReader(ckpt, LazyOptions()) as reads:
+    with RegionReader(ckpt, ServingOptions()) as reads:
         rec = Recording(reads.read_alone)
         consume(lazy_weights(ckpt, rec))
         (tmp_path / "m" / ckpt.files[0].path.rsplit("/", 1)[1]).write_bytes(b"\0" * 16)
         with pytest.raises(FileChangedError, match="plan again"):
             with Serving(reads, wanted(rec.copies)) as serving:
-                serving.replay(rec.copies)
+                replay_copies(serving, rec.copies)
 
 
 def test_shapes_and_errors_match_torch(llama_dir):
@@ -550,7 +555,7 @@ def test_a_deferred_copy_takes_the_shapes_torchs_copy_takes(dst, src):
 ])
 def test_bad_options_are_named(options, named):
     with pytest.raises(ConfigurationError, match=named.replace("[", r"\[")):
-        lazy_options(options)
+        serving_options(options)
 
 
 def test_consumer_attributes_read_nothing(llama_dir):
@@ -574,7 +579,7 @@ def test_view_is_torch_view(llama_dir):
     gives; a dtype view reinterprets the bytes as torch does."""
     ckpt = open_checkpoint(llama_dir)
     ref = reference_tensors(llama_dir)
-    with RegionReader(ckpt, LazyOptions()) as reads:
+    with RegionReader(ckpt, ServingOptions()) as reads:
         rec = Recording(reads.read_alone)
         name, w = next((n, w) for n, w in lazy_weights(ckpt, rec) if n.endswith("q_proj.weight"))
         t = ref[name]
@@ -589,7 +594,7 @@ def test_view_is_torch_view(llama_dir):
 def test_log_line_numbers_read_back():
     """The worker's log line (what the vLLM tests and benchmarks read): every number `summary` writes, `fields`
     reads back as written, behind the log prefix vLLM puts before it; a line of another kind is None."""
-    stats = LazyStats(backend="cooperative", storage="nfs", in_flight=16, request_bytes=1 << 20, node_processes=2,
+    stats = ServingStats(backend="cooperative", storage="nfs", in_flight=16, request_bytes=1 << 20, node_processes=2,
                       bytes_needed=625920, in_place_bytes=4096,
                       planned_bytes_read=629216, planned_requests=7, batches=3, read_seconds=0.25, opaque_regions=1,
                       opaque_bytes=128, unplanned_regions=2, unplanned_bytes=64)
@@ -610,4 +615,4 @@ def test_a_reload_of_an_engine_another_format_loaded_is_a_clear_error(llama_dir)
     none, and the reload stops before it opens anything, saying so."""
     config = SimpleNamespace(model=llama_dir, model_weights="", revision=None)
     with pytest.raises(ReloadError, match="not loaded with raylazy's format.*nothing was written"):
-        weights_for_reload(torch.nn.Linear(2, 2), config, LazyOptions(), open_checkpoint, None, None)
+        weights_for_reload(torch.nn.Linear(2, 2), config, ServingOptions(), open_checkpoint, None, None)

@@ -388,7 +388,7 @@ def test_the_entry_point_registers_the_format_and_bad_options_are_named(engines)
     assert out.pop("registering imported") == ["raylazy", "raylazy.integrations", "raylazy.integrations.vllm"]
     assert out.pop("loader") == "RaylazyModelLoader"
     made = out.pop("a loader imported")
-    assert {"raylazy.integrations.worker", "raylazy.integrations.serving", "raylazy.io.ranged"} <= set(made), made
+    assert {"raylazy.integrations.worker", "raylazy.io.serving", "raylazy.io.ranged"} <= set(made), made
     assert "raylazy.core.quantization" not in made  # imported on opening a quantized checkpoint only
     assert len(out) == 4  # every bad config raised
     for extra, named in (('{"threads": 0}', "threads=0"), ('{"bogus": 1}', "bogus=1"),

@@ -19,7 +19,8 @@ import raylazy
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import node_schedule
 from raylazy.errors import BuffersInUseError, RankFailedError, ReadError, StorageStallError
-from raylazy.io.backends import node_read, read_rank
+from raylazy.io.backends import read_rank
+from raylazy.io.nodes import node_read
 from tests.support.checkpoints import reference_tensors, shard_files
 from tests.support.expected import expected_rank, model_config
 from tests.support.raytest import check_loaded, wait_for

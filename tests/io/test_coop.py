@@ -23,8 +23,8 @@ import raylazy
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import FileChangedError, RankFailedError, ReadError
-from raylazy.io.backends import node_read
 from raylazy.io.cooperative import read_rank_cooperative, shm_dir
+from raylazy.io.nodes import node_read
 from raylazy.io.stats import io_delta, proc_io
 from raylazy.planning import make_plan
 from tests.support import RANK_PROCESSES
@@ -46,9 +46,9 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool, populate: bool) ->
         os._exit(3)
     try:
         if not populate:  # as before Linux 5.14
-            import raylazy.io.cooperative as coop
+            import raylazy.io.mapping as mapping
 
-            coop._POPULATE = 0
+            mapping._POPULATE = 0
         out = {}
         if use_out:
             from raylazy.io.buffers import shard_layout
@@ -283,7 +283,7 @@ def _evicted_mapping(tmp_path, size: int):
     file system keeps them), mapped as the vLLM format maps a checkpoint file (`mapped`). On leaving, the
     mapping still holds the file's bytes."""
     from benchmarks.loaders.pagecache import evict
-    from raylazy.io.cooperative import mapped
+    from raylazy.io.mapping import mapped
     from raylazy.storage.local import LocalSource
 
     path = tmp_path / "f.bin"
@@ -307,7 +307,7 @@ def test_populating_brings_in_what_the_page_cache_lacks_and_leaves_what_it_holds
     page cache lacks pages: evicted (posix_fadvise DONTNEED), the span is read into it; read already, no thread
     starts (it would take the copies' core for nothing)."""
     from benchmarks.loaders.pagecache import resident_bytes
-    from raylazy.io.cooperative import in_page_cache, populating
+    from raylazy.io.mapping import in_page_cache, populating
 
     started = []  # the threads' names as they start (a populate may be over before a look at the live ones)
     start = threading.Thread.start
@@ -332,13 +332,13 @@ def test_the_cached_share_is_a_sample_of_what_the_page_cache_holds(tmp_path, mon
     at most `most` of them and the last (counted: its mincore calls): evicted, none of a 64 MB file is there; its
     first half read, about half (and the kernel's read-ahead), by 33 pages or by 9; read whole, all of it, as a
     mincore of every page says."""
-    from raylazy.io import cooperative
-    from raylazy.io.cooperative import cached_share, in_page_cache
+    from raylazy.io import mapping
+    from raylazy.io.mapping import cached_share, in_page_cache
 
     size = 64 << 20
     with _evicted_mapping(tmp_path, size) as (m, path):  # its eviction's check asks mincore too: counted from here
-        calls, mincore = [], cooperative._libc.mincore
-        monkeypatch.setattr(cooperative._libc, "mincore", lambda *a: calls.append(a[1]) or mincore(*a))
+        calls, mincore = [], mapping._libc.mincore
+        monkeypatch.setattr(mapping._libc, "mincore", lambda *a: calls.append(a[1]) or mincore(*a))
         assert cached_share(m.data_ptr(), size) == 0 and calls == [1] * 33
         with open(path, "rb") as f:
             f.read(size // 2)
@@ -354,7 +354,7 @@ def test_populating_stays_a_window_ahead_of_the_copies(tmp_path):
     """The threads populate no further than `ahead` chunks past the furthest chunk the copies reached (a page
     brought in long before its copy may be evicted first and read twice): before any copy, only the first
     `ahead` chunks come in; once a copy reaches a chunk, the ones up to `ahead` past it do, and none further."""
-    from raylazy.io.cooperative import in_page_cache, populating
+    from raylazy.io.mapping import in_page_cache, populating
 
     mib, size = 1 << 20, 96 << 20
     with _evicted_mapping(tmp_path, size) as (m, _):

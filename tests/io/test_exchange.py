@@ -23,9 +23,9 @@ from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import node_schedule, rank_keeps
 from raylazy.errors import ConfigurationError, PeerFailedError, ReadError
 from raylazy.io import exchange
-from raylazy.io.backends import node_read
 from raylazy.io.collective import meet_through
 from raylazy.io.exchange import NodeRounds, read_rank_exchanged
+from raylazy.io.nodes import node_read
 from tests.support import RANK_PROCESSES, REPO
 from tests.support.measured import SyscallLog, assert_header_checks_only, header_bytes, needed_pages, pages
 from tests.support.raytest import check_rank

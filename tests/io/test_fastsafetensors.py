@@ -232,13 +232,16 @@ def test_gds_is_wanted_only_on_cuda_and_only_unless_nogds():
 
 
 def test_driver_turns_gds_off_for_ranks_sharing_a_node():
-    from raylazy.io.backends import rank_reader
+    from raylazy.core.choices import choose_backend
+
+    def nogds(reader: ReaderOptions, peers: int):
+        return choose_backend(reader.backend, peers, "cuda:0", True, reader.nogds).nogds
 
     fopts = fst_options()
-    assert rank_reader(fopts, 2).nogds is True
-    assert rank_reader(fopts, 1).nogds is None  # alone: the rank decides (GDS on CUDA)
-    assert rank_reader(fst_options(nogds=False), 4).nogds is False  # explicit choice kept
-    assert rank_reader(ReaderOptions(), 4).nogds is None  # ranged: untouched
+    assert nogds(fopts, 2) is True
+    assert nogds(fopts, 1) is None  # alone: the rank decides (GDS on CUDA)
+    assert nogds(fst_options(nogds=False), 4) is False  # explicit choice kept
+    assert nogds(ReaderOptions(), 4) is None  # ranged: untouched
 
 
 @pytest.mark.parametrize("message", [

@@ -1,5 +1,5 @@
 """Reads shaped for the storage they come from (`ReaderOptions.shaped`, `raylazy.core.costs.for_kind`,
-`raylazy.io.backends.backend_for`): on network storage more requests in flight and larger ones than on a local disk,
+`raylazy.core.choices.choose_backend`): on network storage more requests in flight and larger ones than on a local disk,
 options given explicitly kept, rows of split tensors gathered where requests cost, and a node with no page cache to
 share fetching its union once through the exchange, as the emulated mount counts what reached it."""
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import raylazy
+from raylazy.core.choices import choose_backend
 from raylazy.core.costs import for_kind
 from raylazy.core.kinds import StorageKind
 from raylazy.core.options import ReaderOptions
-from raylazy.io.backends import backend_for
+from raylazy.io.nodes import shares_page_cache
 from tests.support.checkpoints import reference_tensors
 from tests.support.expected import expected_rank, model_config
 from tests.support.measured import header_bytes
@@ -45,11 +46,12 @@ def test_options_given_explicitly_are_kept():
 
 def test_a_node_shares_pages_only_where_the_kernel_keeps_them():
     for kind in (LOCAL, *NETWORK):
+        shared = shares_page_cache((), kind)
         for requested in ("auto", "cooperative"):
-            got = backend_for(requested, 4, "cpu", (), kind)
-            assert got == ("cooperative" if kind.page_cache else "exchange"), (kind.name, requested)
-        assert backend_for("auto", 1, "cpu", (), kind) == "ranged"  # alone on its node: its own ranges
-        assert backend_for("ranged", 4, "cpu", (), kind) == "ranged"  # asked for
+            got = choose_backend(requested, 4, "cpu", shared)
+            assert got.backend == ("cooperative" if kind.page_cache else "exchange") and got.with_node, kind.name
+        assert choose_backend("auto", 1, "cpu", shared).backend == "ranged"  # alone on its node: its own ranges
+        assert choose_backend("ranged", 4, "cpu", shared).backend == "ranged"  # asked for
 
 
 def test_rows_of_split_tensors_are_gathered_where_requests_cost(netfs, llama_dir):

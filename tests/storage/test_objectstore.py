@@ -19,6 +19,7 @@ import raylazy
 from benchmarks.s3server import SeaweedFS
 from raylazy.cli import main as cli_main
 from raylazy.core.checkpoint import INDEX_NAME
+from raylazy.core.choices import choose_backend
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import rank_schedule
 from raylazy.errors import (
@@ -29,7 +30,7 @@ from raylazy.errors import (
     ReadError,
     StorageAccessError,
 )
-from raylazy.io.backends import backend_for
+from raylazy.io.nodes import shares_page_cache
 from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
 from raylazy.storage import open_checkpoint, open_source, storage_for
@@ -232,8 +233,11 @@ def test_node_backends_exchange_object_storage(s3_llama):
 
     ref = (FileRef(uri=f"{s3_llama}/model.safetensors", size=1, digest=""),)
     # no page cache to share: a node's ranks fetch each stripe once and exchange it; a rank alone reads ranged
-    assert {backend_for(b, 4, d, ref) for b in ("auto", "cooperative", "exchange") for d in ("cpu", "cuda")} == {"exchange"}
-    assert backend_for("auto", 1, "cpu", ref) == "ranged"
+    shared = shares_page_cache(ref)
+    assert not shared
+    assert {choose_backend(b, 4, d, shared).backend for b in ("auto", "cooperative", "exchange")
+            for d in ("cpu", "cuda")} == {"exchange"}
+    assert choose_backend("auto", 1, "cpu", shared).backend == "ranged"
 
 
 @pytest.mark.ray

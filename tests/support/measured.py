@@ -55,9 +55,9 @@ class SyscallLog:
         self.populated: list[tuple[str, int, int]] = []
 
     def install(self) -> SyscallLog:
-        import raylazy.io.cooperative as coop
+        import raylazy.io.mapping as mapping
 
-        log, pread, preadv, libc = self, os.pread, os.preadv, coop._libc
+        log, pread, preadv, libc = self, os.pread, os.preadv, mapping._libc
 
         def logged_pread(fd, n, offset):
             data = pread(fd, n, offset)
@@ -72,12 +72,12 @@ class SyscallLog:
         class Libc:
             @staticmethod
             def madvise(addr, length, advice):
-                if advice == coop._POPULATE:
+                if advice == mapping._POPULATE:
                     path, offset = _mapped_file(addr)
                     log.populated.append((path, offset, offset + length))
                 return libc.madvise(addr, length, advice)
 
-        os.pread, os.preadv, coop._libc = logged_pread, logged_preadv, Libc()
+        os.pread, os.preadv, mapping._libc = logged_pread, logged_preadv, Libc()
         return self
 
 

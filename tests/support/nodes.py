@@ -1,5 +1,5 @@
 """A node's processes loading one checkpoint together, as threads of the test's process (a `NodeGroup` of
-`raylazy.integrations.serving` each: `member(rank)`)."""
+`raylazy.io.serving` each: `member(rank)`)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from unittest import mock
 import torch
 
 from raylazy.core.boxes import Region
-from raylazy.integrations import serving
-from raylazy.integrations.serving import RegionReader
 from raylazy.integrations.vllm import RaylazyModelLoader
+from raylazy.io import regions
+from raylazy.io.regions import RegionReader
 
 
 def neighbour(region: Region) -> Region:
@@ -32,11 +32,11 @@ class PeerBytesLoader(RaylazyModelLoader):
 
     def load_weights(self, model, model_config) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        shard, box = RegionReader.shard, serving.mapped_box
+        shard, box = RegionReader.shard, regions.mapped_box
         with ExitStack() as patches:
             if rank == 0:
                 patches.enter_context(mock.patch.object(
                     RegionReader, "shard", lambda reads, region, name: shard(reads, neighbour(region), name)))
                 patches.enter_context(mock.patch.object(
-                    serving, "mapped_box", lambda mapping, region: box(mapping, neighbour(region))))
+                    regions, "mapped_box", lambda mapping, region: box(mapping, neighbour(region))))
             super().load_weights(model, model_config)

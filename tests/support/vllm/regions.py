@@ -23,10 +23,10 @@ def record(worker, dirs: list[str], tp: int) -> dict:
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from raylazy.core.options import ServingOptions
     from raylazy.integrations.lazy import lazy_weights
-    from raylazy.integrations.options import LazyOptions
     from raylazy.integrations.recording import Recording
-    from raylazy.integrations.serving import RegionReader
+    from raylazy.io.regions import RegionReader
     from raylazy.storage import open_checkpoint
 
     serving = worker.vllm_config
@@ -41,7 +41,7 @@ def record(worker, dirs: list[str], tp: int) -> dict:
             with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
                 model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
                 ckpt = open_checkpoint(d)
-                with RegionReader(ckpt, LazyOptions()) as reads:  # reads only what an op it cannot follow uses
+                with RegionReader(ckpt, ServingOptions()) as reads:  # reads only what an op it cannot follow uses
                     recording = Recording(reads.read_alone)
                     with recording.watching():
                         model.load_weights(lazy_weights(ckpt, recording))

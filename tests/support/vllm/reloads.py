@@ -35,7 +35,7 @@ def arm(worker, fault: int | None) -> None:
     the reload's `fault`th read of the checkpoint raises."""
     import logging
 
-    from raylazy.integrations import serving
+    from raylazy.io import regions
 
     model = worker.model_runner.get_model()
     names = {id(m): n for n, m in model.named_modules()}
@@ -57,7 +57,7 @@ def arm(worker, fault: int | None) -> None:
     for cls in {type(m.quant_method) for m in model.modules() if getattr(m, "quant_method", None) is not None}:
         wrap(cls, cls.process_weights_after_loading)
     if fault:
-        read, calls = serving.RegionReader.read, [0]
+        read, calls = regions.RegionReader.read, [0]
 
         def failing(self, *args, **kwargs):
             calls[0] += 1
@@ -65,8 +65,8 @@ def arm(worker, fault: int | None) -> None:
                 raise OSError(f"injected: read {fault} of the reload failed")
             return read(self, *args, **kwargs)
 
-        serving.RegionReader.read = failing
-        state["undo"].append(lambda: setattr(serving.RegionReader, "read", read))
+        regions.RegionReader.read = failing
+        state["undo"].append(lambda: setattr(regions.RegionReader, "read", read))
 
 
 def disarm(worker, weights: bool) -> dict:
