@@ -25,12 +25,12 @@ from ..core.boxes import Region
 from ..core.checkpoint import Checkpoint
 from ..errors import ReloadError, first_line
 from ..io.nodes import NodeGroup
-from ..io.regions import RegionReader
 from ..io.serving import AtOnce, Serving
 from ..io.stats import Meter
 from .lazy import lazy_weights
 from .recording import Served
 from .report import summary
+from .runs import opened
 
 #: The model attribute that keeps what a reload needs of the first load.
 KEPT = "raylazy_kept"
@@ -117,35 +117,26 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
                           "not loaded with raylazy's format, whose first load records what a reload reads; nothing "
                           "was written: reload with the format the engine was loaded with, or start it with "
                           "load_format='raylazy'")
-    meter, reads, error, new, at_once = Meter(), None, None, _path(model_config), False
-    try:
-        ckpt = checkpoint(model_config, options)
-        reads = RegionReader(ckpt, options)
-        reads.sources(range(len(ckpt.files)))  # every file opened and its size checked against its header, once
-        takes, afresh = kept.regions(ckpt)
-        at_once = reads.copies_at_once()
-    except Exception as e:  # noqa: BLE001  (raised below, on every worker)
-        error = e
-    why = error and f"{type(error).__name__}: {first_line(error)}"
-    told = group.gather((why, at_once))() if group else [(why, at_once)]
-    failed = [(r, m) for r, (m, _) in enumerate(told) if m]
-    if failed:
-        if reads is not None:
-            reads.__exit__(None, None, None)
+    meter, new = Meter(), _path(model_config)
+
+    def failure(worker: int, why: str, own) -> ReloadError:
         model_config.model, model_config.model_weights, model_config.revision = kept.source
-        raise ReloadError(f"reloading from {new} failed before any weight was written (worker {failed[0][0]}: "
-                          f"{failed[0][1]}); the engine keeps the weights of {_path(model_config)}") from error
-    serving = AtOnce(reads) if all(a for _, a in told) else Serving(reads, takes, {}, group, kept.device)
-    return _serve(model, model_config, kept, reads, serving, ckpt, (takes, afresh), meter, group, logger)
+        return ReloadError(f"reloading from {new} failed before any weight was written (worker {worker}: {why}); "
+                           f"the engine keeps the weights of {_path(model_config)}")
+
+    reads, at_once = opened(lambda: checkpoint(model_config, options), options, group,
+                            lambda reads: reads.copies_at_once(), failure)
+    takes, afresh = kept.regions(reads.ckpt)
+    serving = AtOnce(reads) if all(at_once) else Serving(reads, takes, {}, group, kept.device)
+    return _serve(model, model_config, kept, reads, serving, takes, afresh, meter, group, logger)
 
 
 def _path(model_config) -> str:
     return model_config.model_weights or model_config.model
 
 
-def _serve(model, model_config, kept: Kept, reads, serving, ckpt, planned, meter, group, logger):
-    takes, afresh = planned
-    run = _Run(serving, lambda e: _abandon(model, model_config, e))
+def _serve(model, model_config, kept: Kept, reads, serving, takes, afresh, meter, group, logger):
+    ckpt, run = reads.ckpt, _Run(serving, lambda e: _abandon(model, model_config, e))
     with reads, serving:
         yield from lazy_weights(ckpt, run)
         run.drain()

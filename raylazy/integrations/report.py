@@ -4,6 +4,7 @@ writes it, `fields` reads its numbers back (what the tests and benchmarks read i
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 
 from ..core.plans import format_bytes
 from ..io.stats import ServingStats
@@ -17,14 +18,8 @@ def summary(rank: int, s: ServingStats, checkpoint_bytes: int, params: int, mode
             seconds: float) -> str:
     """A worker's log line: words, then the numbers as key=value in brackets (`fields` reads them)."""
     node = f" with {s.node_processes - 1} other worker(s) of its node" if s.node_processes > 1 else ""
-    numbers = {"rank": rank, "backend": s.backend, "storage": s.storage or "-", "in_flight": s.in_flight,
-               "request_bytes": s.request_bytes, "mode": mode, "node_processes": s.node_processes,
-               "param_bytes": params, "bytes_needed": s.bytes_needed, "in_place_bytes": s.in_place_bytes,
-               "checkpoint_bytes": checkpoint_bytes, "planned_bytes_read": s.planned_bytes_read,
-               "planned_requests": s.planned_requests, "node_bytes": s.node_bytes, "received_bytes": s.received_bytes,
-               "rchar": "-" if rchar is None else rchar, "batches": s.batches,
-               "opaque_regions": s.opaque_regions, "opaque_bytes": s.opaque_bytes, "whole_opaque": s.whole_opaque,
-               "unplanned_regions": s.unplanned_regions, "unplanned_bytes": s.unplanned_bytes,
+    numbers = {"rank": rank, **asdict(s), "storage": s.storage or "-", "mode": mode, "param_bytes": params,
+               "checkpoint_bytes": checkpoint_bytes, "rchar": "-" if rchar is None else rchar,
                "read_seconds": f"{s.read_seconds:.3f}", "seconds": f"{seconds:.3f}"}
     return (
         f"{PREFIX}{rank} needed {format_bytes(s.bytes_needed)} (its parameters {format_bytes(params)}; the "

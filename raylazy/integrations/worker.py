@@ -14,13 +14,13 @@ from vllm.logger import init_logger
 
 from ..core.checkpoint import Checkpoint
 from ..core.options import ServingOptions
+from ..errors import PeerFailedError
 from ..io.nodes import NodeGroup, ProcessGroupNode
-from ..io.regions import RegionReader
 from ..io.stats import Meter
 from ..storage import open_checkpoint
 from .reload import keep, weights_for_reload
 from .report import summary
-from .runs import at_once, recorded
+from .runs import at_once, opened, recorded
 
 logger = init_logger("vllm.raylazy")
 
@@ -28,20 +28,21 @@ logger = init_logger("vllm.raylazy")
 def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: ServingOptions):
     """Load this worker's weights of `model` from the checkpoint `model_config` names; returns what the model's
     `load_weights` says it loaded (None where the model's loader says nothing)."""
-    meter = Meter()
-    ckpt = checkpoint(model_config, options)
-    device, group = next(model.parameters()).device, _workers()
-    with RegionReader(ckpt, options) as reads:
+    meter, group, device = Meter(), _workers(), next(model.parameters()).device
+    reads, _ = opened(lambda: checkpoint(model_config, options), options, group, lambda reads: None,
+                      lambda worker, why, own: own or PeerFailedError(
+                          f"worker {worker} could not open the checkpoint ({why}): no weight was written; fix its cause"))
+    with reads:
         if reads.copies_at_once():
-            loaded, mode, why, takes = at_once(model.load_weights, ckpt, reads, group)
+            loaded, mode, why, takes = at_once(model.load_weights, reads, group)
         else:
             loaded, mode, why, takes = recorded(model.load_weights, lambda: itertools.chain(
-                model.parameters(), model.buffers()), ckpt, reads, options, device, group)
+                model.parameters(), model.buffers()), reads, options, device, group)
     params = sum(p.nbytes for p in model.parameters())  # one call through each vLLM parameter's torch function
     seconds, rchar = meter.elapsed()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    logger.info(summary(rank, reads.stats, ckpt.nbytes, params, mode, why, rchar, seconds))
-    keep(model, model_config, ckpt, takes, params)
+    logger.info(summary(rank, reads.stats, reads.ckpt.nbytes, params, mode, why, rchar, seconds))
+    keep(model, model_config, reads.ckpt, takes, params)
     return loaded
 
 

@@ -253,7 +253,7 @@ def _recorded(ckpt_dir, code, params, options, group=None):
     ckpt = open_checkpoint(ckpt_dir)
     out = _params(params)
     with RegionReader(ckpt, options) as reads:
-        _, mode, _, takes = recorded(_consumer(code, out), out.values, ckpt, reads, options, torch.device("cpu"),
+        _, mode, _, takes = recorded(_consumer(code, out), out.values, reads, options, torch.device("cpu"),
                                      group)
     return out, mode, reads.stats, takes
 
@@ -262,7 +262,7 @@ def _at_once(ckpt_dir, code, params, options):
     ckpt = open_checkpoint(ckpt_dir)
     out = _params(params)
     with RegionReader(ckpt, options) as reads:
-        at_once(_consumer(code, out), ckpt, reads, None)
+        at_once(_consumer(code, out), reads, None)
     return out, "at-once", reads.stats, None
 
 

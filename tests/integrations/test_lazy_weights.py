@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from raylazy.core.options import ServingOptions, serving_options
-from raylazy.errors import ConfigurationError, FileChangedError, ReloadError
+from raylazy.errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, PeerFailedError, ReloadError
 from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.recording import Recording, Served, broadcasts_to, in_place, wanted
 from raylazy.integrations.recording import replay as replay_copies
 from raylazy.integrations.reload import weights_for_reload
 from raylazy.integrations.report import fields, summary
+from raylazy.integrations.runs import opened
 from raylazy.io.nodes import ProcessGroupNode
 from raylazy.io.regions import RegionReader
 from raylazy.io.serving import AtOnce, Serving
@@ -591,6 +592,49 @@ def test_view_is_torch_view(llama_dir):
         assert torch.equal(w.view(torch.int16), t.view(torch.int16))
 
 
+def test_a_worker_that_cannot_open_the_checkpoint_fails_every_worker_before_any_collective(llama_dir, tmp_path):
+    """A load's opening (`raylazy.integrations.runs.opened`, as the vLLM worker's first load and reload make it):
+    worker 1 cannot open the checkpoint (its directory is gone); both learn it in the one gathering before any
+    other collective of the load: worker 1 raises its own error, worker 0 the failure it is given, naming worker
+    1's cause, at once (neither waits in a collective), worker 0's files closed again."""
+    def fds() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    before, group, raised, got = fds(), ThreadNode(2), {}, {}
+
+    def worker(rank: int) -> None:
+        where = llama_dir if rank == 0 else tmp_path / "gone"
+        try:
+            got[rank] = opened(lambda: open_checkpoint(where), ServingOptions(), group.member(rank), lambda r: rank,
+                               lambda w, why, own: own or PeerFailedError(f"worker {w} failed: {why}"))
+        except Exception as e:  # noqa: BLE001  (what each worker raised is the outcome)
+            raised[rank] = e
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert time.monotonic() - t0 < 10 and not got
+    assert isinstance(raised[1], CheckpointNotFoundError) and raised[1].__cause__ is None
+    assert isinstance(raised[0], PeerFailedError) and raised[0].__cause__ is None
+    assert str(raised[0]).startswith("worker 1 failed: CheckpointNotFoundError: ") and str(tmp_path / "gone") in str(
+        raised[0])
+    assert not {f for f in fds() - before if f.startswith(str(llama_dir))}
+    # and where every worker opens it, each gets the reader and every worker's answer
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(2)]
+    tmp_path.joinpath("gone").symlink_to(llama_dir)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert {r: answers for r, (_, answers) in got.items()} == {0: [0, 1], 1: [0, 1]}
+    for reads, _ in got.values():
+        reads.__exit__(None, None, None)
+
+
 def test_log_line_numbers_read_back():
     """The worker's log line (what the vLLM tests and benchmarks read): every number `summary` writes, `fields`
     reads back as written, behind the log prefix vLLM puts before it; a line of another kind is None."""
@@ -601,7 +645,7 @@ def test_log_line_numbers_read_back():
     line = summary(1, stats, 1251840, 1251840, "rerun", "a copy was read", None, 1.5)
     got = fields(f"(EngineCore pid=7) INFO 01-02 03:04:05 [vllm.py:115] {line}")
     assert got == {"rank": 1, "backend": "cooperative", "storage": "nfs", "in_flight": 16, "request_bytes": 1 << 20,
-                   "mode": "rerun", "node_processes": 2, "param_bytes": 1251840,
+                   "mode": "rerun", "node_processes": 2, "param_bytes": 1251840, "regions": 0,
                    "bytes_needed": 625920, "in_place_bytes": 4096, "checkpoint_bytes": 1251840,
                    "planned_bytes_read": 629216, "planned_requests": 7, "node_bytes": 0, "received_bytes": 0,
                    "rchar": None, "batches": 3, "opaque_regions": 1, "opaque_bytes": 128, "whole_opaque": 0,

@@ -58,6 +58,8 @@ CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "ray
           {"name": "ranged", "format": "raylazy", "extra": {"backend": "ranged"}}]
 #: raylazy's format with the tests' broken loader (tests/support/vllm/peer_loader.py) in its place.
 PEER = {"name": "peer", "format": "raylazy", "loader": "tests.support.vllm.peer_loader:PeerBytesLoader"}
+#: raylazy's format whose rank 1 cannot open the checkpoint (the same module's UnopenedLoader): a check that must fail.
+UNOPENED = {"name": "unopened", "format": "raylazy", "loader": "tests.support.vllm.peer_loader:UnopenedLoader"}
 #: "raylazy" finds the files in the page cache (the engine's load and the default loader's just read them): it
 #: copies out of it at once; "cold" first evicts them: recorded, read through the page cache together, replayed.
 NODE_CHECKS = [{"name": "exchange", "format": "raylazy", "extra": {"backend": "exchange"}},
@@ -136,7 +138,7 @@ def _runs(models: dict[str, str], s3_model: str) -> list[dict]:
     s3 = {"model": s3_model, "format": "raylazy", "tp": 2, "bind": bind[2],
           "checks": [{"name": "raylazy", "format": "raylazy"}]}
     return (faults + runs(MODELS[:1], ("raylazy", "auto"), 1, CHECKS)
-            + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [PEER])
+            + runs(MODELS, ("raylazy",), 2, CHECKS + NODE_CHECKS + [PEER, UNOPENED])
             + runs(MOE, ("raylazy",), 2, CHECKS + NODE_CHECKS) + [pp, s3])
 
 
@@ -165,7 +167,8 @@ def _loaded(engines: dict, key) -> dict:
     result = engines[key]
     if result["error"] and result["error"]["stage"] in ("start", "crash"):
         _vllm_cannot(result, key)
-    assert not result["check_errors"], (key, result["check_errors"])
+    failed = {name: e for name, e in result["check_errors"].items() if name != UNOPENED["name"]}
+    assert not failed, (key, failed)
     return result
 
 
@@ -367,6 +370,17 @@ def test_a_rank_fed_another_ranks_bytes_fails_the_weight_check(engines, model):
         assert any(kind in n for n in wrong), (kind, wrong)
     assert not any("norm" in n for n in wrong)  # replicated tensors have no neighbour
     assert peer[1]["digests"] == ref[1]["digests"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_worker_that_cannot_open_the_checkpoint_fails_the_load_on_every_worker(engines, vllm_models, model):
+    """Rank 1 cannot open the checkpoint (tests/support/vllm/peer_loader.py's UnopenedLoader): the load fails on
+    both workers at once (no worker waits in a collective for the other: otherwise the engine's run would hang until
+    the suite's timeout), what vLLM raises names rank 1's cause, and the engine then generates transformers' tokens."""
+    result = _loaded(engines, (model, "raylazy", 2))
+    assert UNOPENED["name"] not in result["checks"]
+    assert "the checkpoint cannot be opened on rank 1" in result["check_errors"][UNOPENED["name"]]["message"]
+    assert _tokens(engines, (model, "raylazy", 2)) == _hf_greedy(vllm_models[model])
 
 
 def test_the_second_run_fallback_loads_the_same_weights(engines):

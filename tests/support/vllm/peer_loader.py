@@ -1,6 +1,6 @@
-"""A broken raylazy load format for the tests (runs in vLLM's workers): rank 0 is served each region's neighbour,
-the bytes the next rank would take, so the weight check of tests/integrations/test_vllm.py must fail on rank 0 and hold on
-the others."""
+"""Broken raylazy load formats for the tests (they run in vLLM's workers): `PeerBytesLoader` serves rank 0 each
+region's neighbour, the bytes the next rank would take, so the weight check of tests/integrations/test_vllm.py must fail
+on rank 0 and hold on the others; `UnopenedLoader`'s rank 1 cannot open the checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from unittest import mock
 import torch
 
 from raylazy.core.boxes import Region
+from raylazy.errors import CheckpointNotFoundError
 from raylazy.integrations.vllm import RaylazyModelLoader
 from raylazy.io import regions
 from raylazy.io.regions import RegionReader
@@ -40,3 +41,20 @@ class PeerBytesLoader(RaylazyModelLoader):
                 patches.enter_context(mock.patch.object(
                     regions, "mapped_box", lambda mapping, region: box(mapping, neighbour(region))))
             super().load_weights(model, model_config)
+
+
+class UnopenedLoader(RaylazyModelLoader):
+    """raylazy's loader whose rank 1 cannot open the checkpoint: every worker must fail the load at once, naming
+    that cause, none waiting for rank 1 in a collective, and the engine serve on."""
+
+    def load_weights(self, model, model_config) -> None:
+        def unopened(config, options):
+            raise CheckpointNotFoundError(f"{config.model}: {UNOPENED}")
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with mock.patch.object(self.worker, "checkpoint", unopened) if rank == 1 else ExitStack():
+            super().load_weights(model, model_config)
+
+
+#: What rank 1 of `UnopenedLoader` says.
+UNOPENED = "the checkpoint cannot be opened on rank 1 (the tests' UnopenedLoader)"
