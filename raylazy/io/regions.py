@@ -75,8 +75,8 @@ class RegionReader:
 
     def copies_at_once(self) -> bool:
         """Whether a load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
-        a backend that copies out of the files' mappings) and the checkpoint is in the page cache (`warm`)."""
-        return self.options.warm_copies and self.options.reader.backend in ("auto", "cooperative") and self.warm()
+        a backend that copies out of the files' mappings: `choice`) and the checkpoint is in the page cache (`warm`)."""
+        return self.options.warm_copies and self.choice(1, "cpu").backend == "cooperative" and self.warm()
 
     def warm(self) -> bool:
         """Whether the checkpoint is in the page cache: local files whose pages a mapping shares, each at least
