@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from benchmarks.loaders.diskstats import refaulted_bytes
 from benchmarks.netfs import mounted, running
 from tests.support.checkpoints import reference_tensors
 from tests.support.expected import expected_rank, model_config
@@ -177,6 +178,7 @@ def test_a_checkpoint_read_through_the_mount_is_the_checkpoint(netfs, llama_dir,
         os.close(fd)
     fs.reset()
     full = reference_tensors(llama_dir)  # safetensors' get_tensor, from the original directory
+    refaulted = refaulted_bytes()
     for rank in range(tp):
         shards, _ = read_rank_ranged(plan.ranks[rank], "cpu")
         want = expected_rank(full, cfg, rank, tp)
@@ -189,7 +191,10 @@ def test_a_checkpoint_read_through_the_mount_is_the_checkpoint(netfs, llama_dir,
     else:
         pages = {(f, p) for f, a, b in ranges for p in range(a // PAGE, -(-b // PAGE))}
         expected = sum(min(PAGE, plan.files[f].size - p * PAGE) for f, p in pages)
-    assert fs.stats()["bytes"] == expected
+    # cached: a page the kernel evicted between the ranks' reads (memory pressure, proactive reclaim) is served
+    # again, as the machine's file refaults count (none on a quiet machine: then exactly the union)
+    served, again = fs.stats()["bytes"], refaulted_bytes() - refaulted if mode == "cached" else 0
+    assert expected <= served <= expected + again, (served, expected, again)
 
 
 def test_close_leaves_no_mount_no_process_and_no_mount_point(netfs, data_dir):

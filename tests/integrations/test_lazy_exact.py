@@ -8,7 +8,7 @@ program leaves in eager torch over safetensors' full tensors (`safe_open(...).ge
 raise raylazy's `LazyWeightError` where eager torch's views would show an in-place change.
 
 A failing program is shrunk and printed as the code it runs. `RAYLAZY_EXACT_PROGRAMS` sets how many programs
-hypothesis draws (the suite's default: `CI_PROGRAMS`; the nightly size: docs/testing.md); with
+hypothesis draws (`PROGRAMS`: 200 by default; the nightly size: docs/testing.md); with
 `--hypothesis-show-statistics`, the share of programs in which some weight was read at once ("read at once")
 instead of followed, and of those run again instead of replayed ("run again")."""
 
@@ -37,7 +37,7 @@ from raylazy.storage import open_checkpoint
 from tests.support.nodes import ThreadNode
 
 #: Programs a test run draws by default; RAYLAZY_EXACT_PROGRAMS sets another number (the nightly size: 5000).
-CI_PROGRAMS = 200
+PROGRAMS = int(os.environ.get("RAYLAZY_EXACT_PROGRAMS", 200))
 F8 = torch.float8_e4m3fn
 #: The checkpoint: name -> (shape, dtype), in two files.
 TENSORS = {
@@ -400,7 +400,8 @@ def test_seed_programs_are_exact_on_every_path(ckpt_dir, seed):
     check(ckpt_dir, code, params)
 
 
-@settings(max_examples=int(os.environ.get("RAYLAZY_EXACT_PROGRAMS", CI_PROGRAMS)), deadline=None,
+@pytest.mark.timeout(max(600, PROGRAMS))  # a program takes 0.2 s or less: the nightly size too stays under it
+@settings(max_examples=PROGRAMS, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                                  HealthCheck.function_scoped_fixture])
 @given(program=programs())
