@@ -136,8 +136,9 @@ class Serving:
     def _node_batch(self, cut: list[list[Region]], local: int, load_id: str, address: str) -> _Batch:
         """A batch as local process `local` reads it with the node: its plan and the node's read
         (`raylazy.io.nodes.node_reads`, the node meeting at `address`)."""
-        plan, reads = node_reads(self.reads.plan(cut), ["node"] * len(cut), [self.device] * len(cut),
-                                 self.options.reader, load_id, lambda ranks: [address])
+        exchange = self.options.reader.model_copy(update={"backend": "exchange"})  # chosen once, in `_plan`
+        plan, reads = node_reads(self.reads.plan(cut), ["node"] * len(cut), [self.device] * len(cut), exchange,
+                                 load_id, lambda ranks: [address])
         self.stats.node_bytes += plan.nodes[0].nbytes
         return _Batch(cut[local], len(cut[local]), plan.ranks[local], reads[local].node_read)
 
