@@ -228,7 +228,7 @@ class RankMixin:
         import torch
 
         from ..io.buffers import check_buffers
-        from ..io.watch import check_free
+        from ..storage.watch import check_free
 
         state = self._rank()
         if state.shards is not None:

@@ -114,7 +114,8 @@ class Load:
         """The plan, from headers, checked for the backend and a reload's layout (before any byte is written)."""
         opts = self.options
         plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
-                else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options, **dict(opts.plan)))
+                else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options,
+                               request_timeout_s=opts.reader.request_timeout_s, **dict(opts.plan)))
         check_backend(opts.reader.backend, plan.ranks)
         if self.held is not None:
             check_same_layout(self.held, plan)

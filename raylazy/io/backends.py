@@ -12,8 +12,8 @@ from ..core.options import ReaderOptions
 from ..core.plans import RankPlan
 from ..core.schedule import NodeRead
 from ..errors import ConfigurationError
+from ..storage.watch import watched
 from .stats import Progress, ReadStats
-from .watch import watched
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def read_rank(
     BufferMismatchError before any byte is read); the others are allocated. `on_progress(n)` is called as
     bytes land. `sources` ({file index: Source}): files of the plan the caller opened and checked already
     (`raylazy.storage.open_planned`), read as they are and left open. The read runs on a thread of its own
-    (`raylazy.io.watch`): a storage request unanswered for `options.request_timeout_s` raises StorageStallError.
+    (`raylazy.storage.watch`): a storage request unanswered for `options.request_timeout_s` raises StorageStallError.
     Raises on any failure; a shard of `out` may then be partly overwritten, and after a StorageStallError, written
     until the storage answers the requests left blocked: until then `out` is refused to any read
     (BuffersInUseError).

@@ -58,7 +58,7 @@ from ..core.dtypes import DTYPE_BITS
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, TensorShard
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
-from ..storage import local_path, open_planned_files
+from ..storage import local_path, open_planned_files, requested
 from .buffers import plan_files, shard_buffers, shards_of
 from .stats import Counter, Meter, Progress, ReadStats
 
@@ -106,12 +106,12 @@ def read_rank_fastsafetensors(
     check_fastsafetensors(plan)
     used = plan_files(plan)
     buffers = shard_buffers(torch, plan, dev, out)
+    counter = Counter(on_progress)
     with open_planned_files(plan, used, options.storage_options, sources) as checked:  # the files are the planned ones
         data_bytes = [plan.files[i].size - 8 - int.from_bytes(checked[i].read(0, 8), "little") for i in used]
-    counter = Counter(on_progress)
-    load = partial(_load, torch, plan, buffers, dev, [local_path(plan.files[i].uri) for i in used],
-                   queue_size=options.queue_size, on_progress=counter.add)
-    gds, fallback = _load_falling_back_to_nogds(load, plan.rank, _want_gds(options.nogds, dev), counter)
+        load = partial(_load, torch, plan, buffers, dev, {i: checked[i] for i in used}, queue_size=options.queue_size,
+                       on_progress=counter.add)
+        gds, fallback = _load_falling_back_to_nogds(load, plan.rank, _want_gds(options.nogds, dev), counter)
     depth = min(len(used), max(1, options.queue_size + 2))  # file buffers alive at once
     runs = fst_runs(plan)
     stats = ReadStats(
@@ -198,9 +198,11 @@ def fst_runs(plan: RankPlan) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds: bool, queue_size: int,
+def _load(torch, plan: RankPlan, buffers: list, dev, sources: dict, *, nogds: bool, queue_size: int,
           on_progress) -> None:
-    """Load the tensors with reads (the others are empty, or all padding) and cut each into its shard's buffer."""
+    """Load the tensors with reads (the others are empty, or all padding) out of the files of `sources` and cut each
+    into its shard's buffer. Each wait for the next tensor is a request in flight (`raylazy.storage.requested`, on
+    the file of the tensor before it): fastsafetensors' own reads are not the load's, but a stall shows there."""
     from fastsafetensors import ParallelLoader, SingleGroup
 
     by_name = {t.name: (t, flat) for t, (flat, _) in zip(plan.tensors, buffers) if t.reads}
@@ -208,7 +210,7 @@ def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds:
     if by_name:
         loader = ParallelLoader(
             SingleGroup(),
-            paths,
+            [local_path(s.uri) for s in sources.values()],
             device=str(dev),
             queue_size=queue_size,
             nogds=nogds,
@@ -221,7 +223,7 @@ def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds:
         )
         try:
             with contextlib.closing(loader.iterate_weights()) as weights:
-                for name, full in weights:
+                for name, full in _watched(weights, plan, sources):
                     if name not in by_name or name in done:
                         raise ReadError(f"fastsafetensors returned tensor {name!r}, which rank {plan.rank} "
                                         "did not ask for (or returned it twice)")
@@ -236,6 +238,28 @@ def _load(torch, plan: RankPlan, buffers: list, dev, paths: list[str], *, nogds:
     if missing:
         raise ReadError(f"fastsafetensors did not return {len(missing)} planned tensor(s) of rank {plan.rank}, "
                         f"e.g. {missing[:3]}: the checkpoint changed since planning? plan again")
+
+
+def _watched(weights, plan: RankPlan, sources: dict):
+    """fastsafetensors' (name, tensor) pairs, each wait for the next one a request in flight on the file that
+    held the tensor before it (the first file, first)."""
+    files = {t.name: t.file for t in plan.tensors}
+    source, last = next(iter(sources.values())), None
+    while True:
+        what = f"rank {plan.rank} waiting on fastsafetensors for the tensor after {last!r}"
+        with requested(source, what):
+            try:
+                item = next(weights, None)
+            except Exception as e:  # fastsafetensors' own (an I/O error, a file ended early): named, its cause kept
+                if isinstance(e, RaylazyError):
+                    raise
+                kind = f" (on {source.kind.name} storage)" if source.kind else ""
+                raise ReadError(f"{source.uri}{kind} or a file after it: {what}: {type(e).__name__}: {e}") from e
+        if item is None:
+            return
+        yield item
+        last = item[0]
+        source = sources.get(files.get(last), source)
 
 
 def _cut(torch, full, shard: TensorShard, flat) -> None:

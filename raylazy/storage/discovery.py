@@ -35,6 +35,7 @@ from ..errors import (
 from .base import Listing, NotAFileError, Source, Storage
 from .hub import resolve_model
 from .registry import open_source, storage_for
+from .verified import requested
 
 
 def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FileHeader:
@@ -69,10 +70,12 @@ def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, 
     model = resolve_model(model_dir)
     storage = storage_for(model, storage_options)
     path = storage.absolute(model)
-    listing = storage.listing(path)
+    with requested(path, "listing the checkpoint"):
+        listing = storage.listing(path)
     if listing is None:  # a file, or nothing: opening it says which
         root, name = storage.split(path)
-        names, weight_map, listing = [name], None, storage.listing(root)
+        with requested(root, "listing the checkpoint's directory"):
+            names, weight_map, listing = [name], None, storage.listing(root)
     else:
         root = path
         names, weight_map = _discover(storage, root, listing)
@@ -104,13 +107,14 @@ def _discover(storage: Storage, root: str, listing: Listing) -> tuple[list[str],
 
 
 def _read_shard(storage: Storage, path: str) -> FileHeader:
-    try:
-        source = storage.open(path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such file or directory") from None
-    except NotAFileError:
-        raise CheckpointNotFoundError(f"{path}: not a regular file or directory (a FIFO or device)") from None
-    return _header(source, path)
+    with requested(path, "opening it and reading its header"):
+        try:
+            source = storage.open(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path}: no such file or directory") from None
+        except NotAFileError:
+            raise CheckpointNotFoundError(f"{path}: not a regular file or directory (a FIFO or device)") from None
+        return _header(source, path)
 
 
 def _read_config(storage: Storage, root: str, listing: Listing | None) -> ModelConfig:
@@ -124,16 +128,17 @@ def _read_config(storage: Storage, root: str, listing: Listing | None) -> ModelC
 def _read_small(storage: Storage, path: str, error: type) -> bytes:
     """The bytes of a plain file of at most MAX_JSON_BYTES; a FIFO, device or directory (an index
     linked to /dev/zero would never end) or a larger file raises `error`."""
-    try:
-        source = storage.open(path)
-    except NotAFileError:
-        raise error(f"{path}: not a regular file (a directory, FIFO or device)") from None
-    except OSError as e:
-        raise error(f"{path}: cannot open: {e.strerror}") from None
-    with source:
-        if source.size > MAX_JSON_BYTES:
-            raise error(f"{path}: larger than the {MAX_JSON_BYTES}-byte cap for JSON files")
+    with requested(path, "reading it"):
         try:
-            return source.read(0, source.size)
+            source = storage.open(path)
+        except NotAFileError:
+            raise error(f"{path}: not a regular file (a directory, FIFO or device)") from None
         except OSError as e:
-            raise error(f"{path}: cannot read: {e.strerror}") from None
+            raise error(f"{path}: cannot open: {e.strerror}") from None
+        with source:
+            if source.size > MAX_JSON_BYTES:
+                raise error(f"{path}: larger than the {MAX_JSON_BYTES}-byte cap for JSON files")
+            try:
+                return source.read(0, source.size)
+            except OSError as e:
+                raise error(f"{path}: cannot read: {e.strerror}") from None

@@ -45,7 +45,8 @@ def open_verified(ref: FileRef, storage_options: Mapping[str, Any] | None = None
     if source is not None:
         return _opened(source)
     try:
-        source = storage.open(ref.uri)
+        with requested(ref.uri, "opening it"):
+            source = storage.open(ref.uri)
     except NotAFileError:
         raise FileChangedError(f"{ref.uri}: is no longer a regular file (a directory, FIFO or device); it was "
                                "replaced since planning: plan again") from None
@@ -154,10 +155,11 @@ _KEYS = itertools.count()
 
 
 @contextmanager
-def reading(source: Source, what: str) -> Iterator[None]:
-    """A read of `what` from `source`, kept in its load's reads in flight while it runs (`Load.overdue`), and a
-    storage failure meanwhile (the Source contract: OSError, or EOFError for data that ends early) as the
-    ReadError every reader raises, naming the file, the storage kind and what was being read."""
+def requested(source: Source | str, what: str) -> Iterator[None]:
+    """A storage request about `source` (an open Source, or the URI of one not open yet: opening it, listing its
+    directory), kept in its load's requests in flight while it runs (`Load.overdue`); refused at once where the
+    load was given up."""
+    source = source if not isinstance(source, str) else _Unopened(source)
     load, key = _LOAD.get() or _OUTSIDE, next(_KEYS)
     with _LOCK:
         load.in_flight[key] = Request(time.monotonic(), source, what)
@@ -166,14 +168,34 @@ def reading(source: Source, what: str) -> Iterator[None]:
             raise given_up(source.uri)
         source.check_aborted()
         yield
+    finally:
+        with _LOCK:
+            del load.in_flight[key]
+
+
+class _Unopened(NamedTuple):
+    """A file or directory a request is about before a Source of it is open (`requested`)."""
+
+    uri: str
+    kind: None = None
+
+    def check_aborted(self) -> None:
+        """Nothing opened: nothing to abort."""
+
+
+@contextmanager
+def reading(source: Source, what: str) -> Iterator[None]:
+    """A read of `what` from `source`, kept in its load's reads in flight while it runs (`requested`), and a
+    storage failure meanwhile (the Source contract: OSError, or EOFError for data that ends early) as the
+    ReadError every reader raises, naming the file, the storage kind and what was being read."""
+    try:
+        with requested(source, what):
+            yield
     except OSError as e:
         raise ReadError(f"{source.uri}{_on(source)}: {what}: {e.strerror or e}") from None
     except EOFError as e:
         raise ReadError(f"{source.uri}{_on(source)}: file ended early {what}: {e}; it was truncated since planning") \
             from None
-    finally:
-        with _LOCK:
-            del load.in_flight[key]
 
 
 def _on(source: Source) -> str:

@@ -334,15 +334,18 @@ def test_gds_unavailable_falls_back_to_nogds_with_one_warning(llama_dir, monkeyp
 
 
 @pytest.mark.parametrize("after_first", (False, True), ids=("at-start", "mid-load"))
-def test_other_errors_on_the_gds_path_propagate_unchanged(llama_dir, monkeypatch, pretend_gds, after_first):
+def test_other_errors_on_the_gds_path_are_not_retried(llama_dir, monkeypatch, pretend_gds, after_first):
+    """An error that is not GDS's propagates without a retry: as it is at the start, named as a ReadError (the
+    file, the tensor waited for, it as the cause) once tensors come."""
     import fastsafetensors
 
     error = ValueError("tensor model.norm.weight includes unread bytes")
     fake = _GdsLoaderFake(error, after_first)
     monkeypatch.setattr(fastsafetensors, "ParallelLoader", fake)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ReadError if after_first else ValueError) as e:
         fst.read_rank_fastsafetensors(make_plan(llama_dir, 2).ranks[0], "cpu", options=fst_options())
-    assert e.value is error and fake.calls == [False]  # no retry
+    assert (e.value.__cause__ if after_first else e.value) is error and fake.calls == [False]  # no retry
+    assert not after_first or ".safetensors" in str(e.value) and "unread bytes" in str(e.value)
     assert not [r for r in pretend_gds.records if r.levelno >= logging.WARNING]
     assert fst._gds_broken is False
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from ..errors import BuffersInUseError
-from ..storage import Load, stall_error
+from .verified import Load, stall_error
 
 T = TypeVar("T")
 
