@@ -3,7 +3,7 @@ process of its own, with one bandwidth budget shared by every file and reader (a
 per request, and the two ways network storage meets the kernel's page cache:
 
 - `cached` (NFS-like: NFS, EFS, Filestore, Lustre, JuiceFS): the kernel keeps the pages it read (`keep_cache` on
-  every open, attributes cached), so every process of the node shares them and a second read of a range is
+  every open, attributes cached for `attr_timeout_s`, an hour by default: the files do not change), so every process of the node shares them and a second read of a range is
   served by the kernel, never reaching the storage;
 - `direct` (an uncached bucket mount: gcsfuse or mountpoint-s3 without a cache): every open is `direct_io`, so
   every read is a request to the storage, and a shared `mmap` of a file fails with ENODEV (the kernel cannot keep
@@ -129,7 +129,8 @@ def fuse_problem() -> str | None:
 
 # --- the server (its own process: `python netfs.py SOURCE MOUNTPOINT --mode ...`) -----------------------------
 
-def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_bps: float, max_threads: int) -> None:
+def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_bps: float, max_threads: int,
+           attr_timeout_s: float) -> None:
     import mfusepy
 
     class Passthrough(mfusepy.Operations):
@@ -163,9 +164,10 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
                 time.sleep(self.latency_s)
 
         def init_with_config(self, conn, config) -> None:
-            # The files do not change while mounted: the kernel may keep names and attributes (as NFS does, between
-            # its revalidations), so a load's stat calls do not each cost a round trip.
-            config.entry_timeout = config.attr_timeout = config.negative_timeout = 3600.0
+            # The kernel keeps names and attributes this long (as NFS does between its revalidations, actimeo), so
+            # a load's stat calls do not each cost a round trip; a file changed behind the mount is seen once they
+            # expire, its pages kept before then dropped (the kernel's auto_inval_data, on the new mtime).
+            config.entry_timeout = config.attr_timeout = config.negative_timeout = attr_timeout_s
 
         def getattr(self, path, fh=None):
             if path == CONTROL:
@@ -321,7 +323,8 @@ class NetFS:
     """`source` mounted at a new temporary directory by a server process of its own (see the module docstring)."""
 
     def __init__(self, source: str, mode: str = "cached", latency_s: float = 0.0, bandwidth_bps: float = 0.0,
-                 read_ahead_kb: int | None = None, max_threads: int = 64, start_timeout_s: float = 15.0):
+                 read_ahead_kb: int | None = None, max_threads: int = 64, start_timeout_s: float = 15.0,
+                 attr_timeout_s: float = 3600.0):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {MODES}")
         problem = fuse_problem()
@@ -334,7 +337,7 @@ class NetFS:
             self.proc: subprocess.Popen | None = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), self.source, self.mountpoint, "--mode", mode,
                  "--latency-s", repr(latency_s), "--bandwidth-bps", repr(bandwidth_bps), "--max-threads",
-                 str(max_threads)],
+                 str(max_threads), "--attr-timeout-s", repr(attr_timeout_s)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         try:
             deadline = time.monotonic() + start_timeout_s
@@ -448,8 +451,9 @@ def _main(argv: list[str]) -> None:
     p.add_argument("--latency-s", type=float, default=0.0)
     p.add_argument("--bandwidth-bps", type=float, default=0.0)
     p.add_argument("--max-threads", type=int, default=64)
+    p.add_argument("--attr-timeout-s", type=float, default=3600.0)
     a = p.parse_args(argv)
-    _serve(a.source, a.mountpoint, a.mode, a.latency_s, a.bandwidth_bps, a.max_threads)
+    _serve(a.source, a.mountpoint, a.mode, a.latency_s, a.bandwidth_bps, a.max_threads, a.attr_timeout_s)
 
 
 if __name__ == "__main__":

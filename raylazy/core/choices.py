@@ -25,9 +25,11 @@ class BackendChoice:
 
 
 def choose_backend(requested: str, peers: int, device: str, page_cache: bool, nogds: bool | None = None,
-                   copies_out: bool = False) -> BackendChoice:
+                   copies_out: bool = False, mappable: bool = True) -> BackendChoice:
     """The backend of a rank asked for `requested`, with `peers` ranks on its node (itself included), loading to
-    `device`, its files on storage whose page cache a mapping shares (`page_cache`) or not.
+    `device`, its files on storage whose page cache a mapping shares (`page_cache`) or not, and where a copy out of
+    a mapping cannot meet a failed read (`mappable`: local storage; on network storage a read failed through a
+    mapping is a SIGBUS, which kills the process).
 
     "auto": a rank alone on its node reads its own ranges ("ranged": they are exactly its pages); ranks sharing a
     node read its union once, through the page cache on the CPU ("cooperative") or with stripes exchanged on a GPU
@@ -35,19 +37,26 @@ def choose_backend(requested: str, peers: int, device: str, page_cache: bool, no
     "cooperative" asked for included. `copies_out`: the consumer copies out of the files' mappings itself (lazy
     weights): "cooperative" is then those copies, the page cache shared by their page faults, for a rank alone too
     (asked for "auto", reading straight into a destination what it takes whole). fastsafetensors with `nogds` None
-    on a shared node gets nogds=True (GDS is for one process per device)."""
+    on a shared node gets nogds=True (GDS is for one process per device). Not `mappable`: "auto" reads "ranged"
+    where it would copy out of the mappings (each rank's reads through the shared page cache), and the consumer
+    that copies out of them itself reads its regions instead ("cooperative" asked for included); asked for,
+    "cooperative" keeps its node read on the CPU, its keepers reading their bytes out of the page cache with reads
+    (on a GPU, where they would copy out of the mappings, the node exchanges)."""
     nogds = True if requested == "fastsafetensors" and nogds is None and peers > 1 else nogds
     if requested not in ("auto", *NODE_BACKENDS):
         return BackendChoice(requested, False, nogds=nogds)
     if not page_cache:
         node = "exchange"
-    elif requested == "auto":
+    elif requested == "auto" or not mappable and device != "cpu":
         node = "cooperative" if device == "cpu" else "exchange"
     else:
         node = requested
     if copies_out and page_cache and requested != "exchange" and (peers < 2 or node == "cooperative"):
-        return BackendChoice("cooperative", False, peers < 2 and requested == "auto", nogds)
-    if peers < 2 and (requested == "auto" or copies_out):
+        if mappable:
+            return BackendChoice("cooperative", False, peers < 2 and requested == "auto", nogds)
+        return BackendChoice("ranged", False, nogds=nogds)
+    if peers < 2 and (requested == "auto" or copies_out) or requested == "auto" and node == "cooperative" \
+            and not mappable:
         return BackendChoice("ranged", False, nogds=nogds)
     return BackendChoice(node, True, nogds=nogds)
 

@@ -130,7 +130,8 @@ def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader
              seen: dict) -> dict:
     """The storage, copy, exchange and device figures of one node's reading ranks."""
     st = hw.storage
-    name = choose_backend(backend, len(ranks), hw.device, st.page_cache).backend if loader == "raylazy" else loader
+    name = loader if loader != "raylazy" else \
+        choose_backend(backend, len(ranks), hw.device, st.page_cache, mappable=not st.network).backend
     shards = tuple(sum(t.nbytes for t in plan.ranks[r].tensors) for r in ranks)
     zero = tuple(0 for _ in ranks)
     threads = min(64, st.connections) if st.network else LOCAL_THREADS

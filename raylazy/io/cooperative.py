@@ -31,8 +31,10 @@ died and is not restarted in time), then raises a ReadError naming the stripe, i
 A reader that fails marks its remaining stripes failed, so its peers fail at once too. Files are
 checked against the plan first (FileChangedError); a file truncated while mapped would kill the rank's
 process (SIGBUS), which Ray then restarts and the check catches. Only local files can be mapped: for
-other storages the load picks the exchange instead (`raylazy.core.choices.choose_backend`). The mappings are
-`raylazy.io.mapping`'s.
+other storages the load picks the exchange instead (`raylazy.core.choices.choose_backend`). On network storage,
+where a read the storage fails is a SIGBUS to a copy out of a mapping, a keeper reads its keeps with `preadv`
+out of the page cache instead (`raylazy.io.ranged.read_part`; on the CPU only), its files not mapped. The
+mappings are `raylazy.io.mapping`'s.
 
 On a GPU device the keeps are copied from the mapping to the device one by one (correct, not fast):
 the driver's "auto" choice uses cooperative reads for CPU ranks only; the GPU exchange (stripes to the
@@ -59,6 +61,8 @@ from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
 from .buffers import shard_buffers, shards_of
 from .mapping import mapped_files, populate, populates, unmap_later
+from .nodes import maps_safely
+from .ranged import gap_bytes, read_part
 from .stats import Counter, Meter, Progress, ReadStats
 
 PENDING, READY, FAILED = 0, 1, 2
@@ -98,7 +102,12 @@ def read_rank_cooperative(
         ready = stack.enter_context(_ready_map(node_read.load_id, sched, mine)) if options.stripe_readers else None
         sources = stack.enter_context(open_planned_files(plan, sorted(files), opened=sources))
         _check_local(plan, sources)
-        maps = stack.enter_context(mapped_files({f: sources[f] for f in {k.part.read.file for k in keeps}}))
+        kept = {k.part.read.file for k in keeps}
+        if dev.type != "cpu" and not all(maps_safely(sources[f].kind) for f in kept):
+            raise ConfigurationError(f"{plan.files[min(kept)].uri}: on network storage cooperative reads copy out of "
+                                     "the page cache with reads, on the CPU only: use backend='exchange'")
+        # network storage: read out of the page cache instead (a failed read met through a mapping is a SIGBUS)
+        maps = stack.enter_context(mapped_files({f: sources[f] for f in kept if maps_safely(sources[f].kind)}))
         readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
         with _one_intra_op_thread(torch):
             _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s)
@@ -194,14 +203,21 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
 
 def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict, ready: ReadyMap | None, buffers,
           counter, readers: list, timeout_s: float) -> None:
-    """Copy every keep into its shard out of its file's mapping (`maps`) as soon as its stripe is ready (in whatever
-    order stripes become ready); with no ready map (no stripe readers), every keep at once, in stripe order."""
+    """Copy every keep into its shard out of its file's mapping (`maps`; with reads from a file not mapped) as soon
+    as its stripe is ready (in whatever order stripes become ready); with no ready map (no stripe readers), every
+    keep at once, in stripe order."""
     import numpy as np
 
+    gap = gap_bytes(plan)
+
     def copy(k) -> None:  # a read in flight while it runs: its page faults may wait on storage
-        with reading(sources[k.part.read.file], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of "
-                                                 f"its mapping (bytes from {k.part.read.offset})"):
-            _copy_keep(buffers[k.tensor][0], maps[k.part.read.file], k.part)
+        f, flat = k.part.read.file, buffers[k.tensor][0]
+        with reading(sources[f], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of the page cache "
+                                 f"(bytes from {k.part.read.offset})"):
+            if f in maps:
+                _copy_keep(flat, maps[f], k.part)
+            else:
+                read_part(sources[f], k.part, memoryview(flat.numpy()), 0, gap)
         counter.add(k.part.bytes_needed)
 
     if ready is None:  # the copies' page faults read the pages, each once for the node (the page cache)

@@ -27,6 +27,13 @@ def shares_page_cache(files: tuple[FileRef, ...], storage: StorageKind | None = 
     return all(local_path(f.uri) is not None for f in files) and (storage is None or storage.page_cache)
 
 
+def maps_safely(storage: StorageKind | None) -> bool:
+    """Whether a copy out of a mapping of files on `storage` cannot end the process: local storage. A read that
+    network storage fails (a server gone, a FUSE daemon's EIO) is a SIGBUS where a mapping meets it, which kills
+    the process, and no handler can return from it (docs/network-storage.md)."""
+    return storage is None or not storage.network
+
+
 @dataclass(frozen=True)
 class RankRead:
     """How one rank reads: its reader options (the backend chosen, nogds set) and its node's read, if it reads
@@ -43,7 +50,8 @@ def node_reads(plan: Plan, node_ids: Sequence[str], devices: Sequence[str], read
     `meet(ranks)` gives the meeting address of the exchanging nodes whose first ranks are `ranks` (asked once, all
     of them together); `load_id` names the reads (a node's ready map)."""
     nodes, shared = group_by_node(node_ids), shares_page_cache(plan.files, plan.storage)
-    choices = [choose_backend(reader.backend, len(nodes.peers(r)), d, shared, reader.nogds)
+    choices = [choose_backend(reader.backend, len(nodes.peers(r)), d, shared, reader.nogds,
+                              mappable=maps_safely(plan.storage))
                for r, d in enumerate(devices)]
     readers = [reader.model_copy(update={"backend": c.backend, "nogds": c.nogds}) for c in choices]
     if not any(c.with_node for c in choices):

@@ -22,7 +22,7 @@ from contextvars import copy_context
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, Read
 from ..core.schedule import RankSchedule, Window, rank_schedule
-from ..storage import Source, open_planned_files, reading
+from ..storage import Source, open_planned_files, reading, requested
 from .buffers import plan_files, shard_buffers, shards_of
 from .stats import Counter, Meter, Progress, ReadStats
 
@@ -97,34 +97,48 @@ class _Reader:
 
     def __init__(self, plan: RankPlan, sources: dict[int, Source], counter: Counter):
         self.plan, self.sources, self.counter = plan, sources, counter
-        self.gap = bytearray(max([r.stride - r.length for t in plan.tensors for r in t.reads if r.gather] or [0]))
+        self.gap = gap_bytes(plan)
 
     def run(self, job: Window, buf: memoryview) -> None:
         name = self.plan.tensors[job.tensor].name
         for r, first, n in job.parts:  # whole ranges asked for at once (a read alone waits on each read-ahead window)
             if r.count == 1:
-                self.sources[r.file].will_need(r.offset + first, r.offset + first + n)
-        for r, first, n in job.parts:
-            source = self.sources[r.file]
-            with reading(source, f"reading tensor {name!r} at byte {r.offset}"):
-                if r.count == 1:
-                    dst = r.dst_offset + first - job.start
-                    source.readinto(r.offset + first, [buf[dst : dst + n]])
-                elif r.gather:
-                    self._gather(source, r, first, n, buf, job.start)
-                else:
-                    _read_rows(source, r, first, n, buf, job.start)
+                with requested(self.sources[r.file], f"asking for tensor {name!r}'s bytes ahead"):
+                    self.sources[r.file].will_need(r.offset + first, r.offset + first + n)
+        for part in job.parts:
+            source = self.sources[part.read.file]
+            with reading(source, f"reading tensor {name!r} at byte {part.read.offset}"):
+                read_part(source, part, buf, job.start, self.gap)
         self.counter.add(job.bytes_needed)
 
-    def _gather(self, source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:
-        gap = memoryview(self.gap)[: r.stride - r.length]
-        iov = []  # rows and the gaps between them: one range (object storage fetches it in concurrent parts)
-        for i in range(first, first + n):
-            dst = r.dst_offset + i * r.dst_stride - base
-            iov.append(buf[dst : dst + r.length])
-            if i != first + n - 1 and len(gap):
-                iov.append(gap)
-        source.readinto(r.offset + first * r.stride, iov)
+
+def read_part(source: Source, part, buf: memoryview, base: int, gap: bytearray) -> None:
+    """One part of a read (`raylazy.core.schedule`'s (read, first, n)) from `source` into `buf`, which starts at
+    shard byte `base`: bytes [first, first + n) of a contiguous read, else its rows [first, first + n). `gap`: room
+    for the bytes between rows that a gathered read (`Read.gather`) reads along with them."""
+    r, first, n = part
+    if r.count == 1:
+        dst = r.dst_offset + first - base
+        source.readinto(r.offset + first, [buf[dst : dst + n]])
+    elif r.gather:
+        _gather(source, r, first, n, buf, base, memoryview(gap)[: r.stride - r.length])
+    else:
+        _read_rows(source, r, first, n, buf, base)
+
+
+def gap_bytes(plan: RankPlan) -> bytearray:
+    """Room for the largest gap between the rows of any of `plan`'s gathered reads (`read_part`)."""
+    return bytearray(max([r.stride - r.length for t in plan.tensors for r in t.reads if r.gather] or [0]))
+
+
+def _gather(source: Source, r: Read, first: int, n: int, buf: memoryview, base: int, gap: memoryview) -> None:
+    iov = []  # rows and the gaps between them: one range (object storage fetches it in concurrent parts)
+    for i in range(first, first + n):
+        dst = r.dst_offset + i * r.dst_stride - base
+        iov.append(buf[dst : dst + r.length])
+        if i != first + n - 1 and len(gap):
+            iov.append(gap)
+    source.readinto(r.offset + first * r.stride, iov)
 
 
 def _read_rows(source: Source, r: Read, first: int, n: int, buf: memoryview, base: int) -> None:

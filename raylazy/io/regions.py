@@ -22,7 +22,7 @@ from ..storage import open_planned_files, storage_for
 from .backends import read_rank
 from .collective import Exchange
 from .mapping import cached_share, mapped, mapped_box, unmap_later
-from .nodes import shares_page_cache
+from .nodes import maps_safely, shares_page_cache
 from .stats import ServingStats
 
 #: The share of each file's pages in the page cache from which a checkpoint counts as there (`RegionReader.warm`):
@@ -102,10 +102,10 @@ class RegionReader:
 
     def choice(self, peers: int, device: str) -> BackendChoice:
         """The backend a process with `peers` processes on its node (itself included) serves regions with: copying
-        out of the files' mappings where it can (`raylazy.core.choices.choose_backend`)."""
+        out of the files' mappings where it can and they cannot fail (`raylazy.core.choices.choose_backend`)."""
         reader = self.options.reader
         return choose_backend(reader.backend, peers, device, shares_page_cache(self.files, self.storage), reader.nogds,
-                              copies_out=True)
+                              copies_out=True, mappable=maps_safely(self.storage))
 
     def read(self, regions: list[Region], *, backend: str = "ranged", device: str = "cpu", out: dict | None = None,
              plan: RankPlan | None = None, node_read: NodeRead | None = None,

@@ -7,23 +7,27 @@ import itertools
 
 import pytest
 
-from raylazy.core.choices import NODE_BACKENDS, alone_backend, choose_backend, choose_transport
+from raylazy.core.choices import NODE_BACKENDS, BackendChoice, alone_backend, choose_backend, choose_transport
 from raylazy.errors import ConfigurationError
 
 REQUESTED = ("auto", "ranged", "cooperative", "exchange", "fastsafetensors")
-CASES = list(itertools.product(REQUESTED, (1, 2, 8), ("cpu", "cuda:0"), (True, False), (None, False, True)))
+CASES = list(itertools.product(REQUESTED, (1, 2, 8), ("cpu", "cuda:0"), (True, False), (None, False, True),
+                               (True, False)))
 
 
 @pytest.mark.parametrize("copies_out", [False, True])
 def test_every_choice_is_consistent_with_its_facts(copies_out):
-    for requested, peers, device, page_cache, nogds in CASES:
-        c = choose_backend(requested, peers, device, page_cache, nogds, copies_out)
-        case = (requested, peers, device, page_cache, nogds, copies_out)
+    for requested, peers, device, page_cache, nogds, mappable in CASES:
+        c = choose_backend(requested, peers, device, page_cache, nogds, copies_out, mappable)
+        case = (requested, peers, device, page_cache, nogds, copies_out, mappable)
+        if not mappable:  # nothing copies out of a mapping that may fail (cooperative keepers read, on the CPU)
+            assert c.backend != "cooperative" or not copies_out and requested == "cooperative" and device == "cpu", \
+                case
         assert c.with_node == (c.backend in NODE_BACKENDS and not (copies_out and c.backend == "cooperative")), case
         assert c.backend != "cooperative" or page_cache, case  # a page cache to share, or none is shared
         if requested not in ("auto", *NODE_BACKENDS):
             assert c.backend == requested and not c.with_node, case  # asked for: kept
-        if requested == "auto" and peers == 1 and not (copies_out and page_cache):
+        if requested == "auto" and peers == 1 and not (copies_out and page_cache and mappable):
             assert c.backend == "ranged", case  # alone on its node: its own ranges
         if c.with_node and copies_out:
             assert peers > 1, case
@@ -35,10 +39,10 @@ def test_a_node_read_the_vllm_format_chooses_is_the_one_raylazy_load_would_read(
     """The vLLM format decides once for its node (copying out where it can), then each batch's node read goes through
     the node-read driver, which decides as `raylazy.load` does: wherever the first is a node read, so is the second,
     with the same backend."""
-    for requested, peers, device, page_cache, nogds in CASES:
-        served = choose_backend(requested, peers, device, page_cache, nogds, copies_out=True)
+    for requested, peers, device, page_cache, nogds, mappable in CASES:
+        served = choose_backend(requested, peers, device, page_cache, nogds, True, mappable)
         if served.with_node:
-            assert choose_backend(requested, peers, device, page_cache, nogds) == served
+            assert choose_backend(requested, peers, device, page_cache, nogds, mappable=mappable) == served
 
 
 def test_the_documented_choices():
@@ -51,6 +55,12 @@ def test_the_documented_choices():
     assert (alone.backend, alone.with_node, alone.reads_in_place) == ("cooperative", False, True)
     assert choose_backend("auto", 1, "cpu", False, copies_out=True).backend == "ranged"
     assert choose_backend("exchange", 1, "cpu", True, copies_out=True).backend == "ranged"
+    # network storage (a failed read met through a mapping is a SIGBUS): nothing copies out of a mapping
+    assert choose_backend("auto", 4, "cpu", True, mappable=False).backend == "ranged"
+    assert choose_backend("cooperative", 4, "cpu", True, mappable=False) == BackendChoice("cooperative", True)
+    assert choose_backend("cooperative", 4, "cuda:0", True, mappable=False).backend == "exchange"
+    assert choose_backend("auto", 1, "cuda:0", True, copies_out=True, mappable=False).backend == "ranged"
+    assert choose_backend("cooperative", 4, "cpu", True, copies_out=True, mappable=False).backend == "ranged"
     assert [alone_backend(b) for b in REQUESTED] == ["ranged", "ranged", "ranged", "ranged", "fastsafetensors"]
 
 

@@ -17,7 +17,7 @@ import torch
 from raylazy.core.options import ServingOptions, serving_options
 from raylazy.errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, PeerFailedError, ReloadError
 from raylazy.integrations.lazy import lazy_weights
-from raylazy.integrations.recording import Recording, Served, broadcasts_to, in_place, wanted
+from raylazy.integrations.recording import Recording, Served, broadcasts_to, wanted
 from raylazy.integrations.recording import replay as replay_copies
 from raylazy.integrations.reload import weights_for_reload
 from raylazy.integrations.report import fields, summary
@@ -29,6 +29,7 @@ from raylazy.io.stats import ServingStats
 from raylazy.storage import LocalSource, open_checkpoint, verified
 from tests.support import RANK_PROCESSES
 from tests.support.checkpoints import build_checkpoint, reference_tensors
+from tests.support.lazy import load_lazily as _run
 from tests.support.nodes import ThreadNode
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
@@ -101,29 +102,6 @@ def moe_consumer(rank: int, tp: int, params: dict):
                     load(param, ex, e, proj)
 
     return consume
-
-
-def _run(model_dir, consume, options=ServingOptions(), replay=True, watch=dict, ordered=False, spy=None, group=None):
-    """The loader's two steps: record a run of `consume`, then replay it (or run it again); `watch()`: the
-    consumer's own tensors (a dict), which copies may be replayed into; `ordered`: as the Serving's; `spy(serving)`
-    before the replay; `group`: the node's processes loading with this one (`NodeGroup`)."""
-    ckpt = open_checkpoint(model_dir, options.reader.storage_options)
-    with RegionReader(ckpt, options) as reads:
-        rec = Recording(reads.read_alone)
-        with rec.watching():
-            consume(lazy_weights(ckpt, rec))
-        rec.check_targets(list(watch().values()))
-        replay = replay and rec.replayable
-        out = in_place(rec.copies, torch.device("cpu")) if replay else {}
-        with Serving(reads, wanted(rec.copies, None if replay else rec.opaque), out, group,
-                     ordered=ordered) as serving:
-            if spy:
-                spy(serving)
-            if replay:
-                replay_copies(serving, rec.copies)
-            else:
-                consume(lazy_weights(ckpt, Served(serving)))
-    return rec, reads.stats
 
 
 @pytest.mark.parametrize("options", [

@@ -8,6 +8,7 @@ storage kind."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import time
@@ -16,13 +17,15 @@ import pytest
 import torch
 
 import raylazy
-from raylazy.core.options import ReaderOptions
+from raylazy.core.options import ReaderOptions, serving_options
 from raylazy.core.schedule import node_schedule
-from raylazy.errors import BuffersInUseError, RankFailedError, ReadError, StorageStallError
+from raylazy.errors import BuffersInUseError, FileChangedError, RankFailedError, ReadError, StorageStallError
 from raylazy.io.backends import read_rank
-from raylazy.io.nodes import node_read
+from raylazy.io.nodes import node_read, node_reads
+from raylazy.storage import open_checkpoint
 from tests.support.checkpoints import reference_tensors, shard_files
 from tests.support.expected import expected_rank, model_config
+from tests.support.lazy import load_lazily
 from tests.support.raytest import check_loaded, wait_for
 
 TIMEOUT_S = 1.0
@@ -89,49 +92,115 @@ def rewrite(model_dir: str) -> None:
             f.write(data)
 
 
-@pytest.mark.parametrize("mode,backend,recover", [("direct", "ranged", "answer"), ("direct", "ranged", "abort"),
-                                                   ("cached", "cooperative", "answer")])
-def test_a_stalled_mount_fails_the_read_and_leaves_nothing_behind(netfs, llama_dir, mode, backend, recover):
-    fs = netfs(llama_dir, mode=mode, latency_s=0.001)
-    plan = raylazy.plan(fs.mountpoint, tp=1)
+#: The fault matrix (docs/reliability.md): each read path in each mode of the emulated mount it runs in ("cached":
+#: pages kept, NFS-like; "direct": direct_io, a bucket mount), and each fault, with the error it ends in (None:
+#: exact shards). Cooperative reads map the files: a direct_io mount refuses a mapping, so the decision exchanges.
+PATHS = [("cached", "ranged"), ("direct", "ranged"), ("cached", "cooperative"), ("cached", "fastsafetensors"),
+         ("direct", "fastsafetensors"), ("cached", "vllm"), ("direct", "vllm")]
+FAULTS = {"stall": StorageStallError, "eio": ReadError, "short": None, "truncate": (FileChangedError, ReadError),
+          "replace": FileChangedError}
+
+
+def outcome(path: str, fault: str):
+    """The error class (or classes) a fault ends in on `path`; None: exact shards. fastsafetensors does not read
+    on after a read answered short: a ReadError."""
+    return ReadError if (path, fault) == ("fastsafetensors", "short") else FAULTS[fault]
+
+
+def cells():
+    """(mode, path, fault): every path in its modes, every fault; reads answered short only with direct_io, where
+    they reach the reader (a cached mount's kernel takes a short answer for the file's end: FUSE's protocol, and an
+    NFS client completes short reads itself)."""
+    return [(m, p, f) for m, p in PATHS for f in FAULTS if m == "direct" or f != "short"]
+
+
+def read_path(path: str, model: str):
+    """Everything `path` reads of `model` (a mount's directory) on one rank, in this process: raylazy.load's rank
+    read with that backend (planned, each rank's backend chosen by the node-read driver), or the vLLM format's
+    recorded run of a consumer copying every weight whole, replayed over the regions served. Planned now; returns
+    the read, which returns {name: tensor}."""
+    if path == "vllm":
+        ckpt = open_checkpoint(model)
+        params = {}
+
+        def consume(weights):
+            for name, w in weights:
+                params.setdefault(name, torch.empty(w.shape, dtype=w.dtype)).copy_(w)
+
+        def load() -> dict:
+            load_lazily(ckpt, consume, serving_options({"request_timeout_s": TIMEOUT_S}), watch=lambda: params)
+            return params
+
+        return load
+    reader = ReaderOptions(backend=path, request_timeout_s=TIMEOUT_S)
+    plan, (rank,) = node_reads(raylazy.plan(model, tp=1), ["node"], ["cpu"], reader, f"m{time.monotonic_ns()}",
+                               meet=lambda ranks: pytest.fail("one rank: no node exchanges"))
+    return lambda: read_rank(plan.ranks[0], "cpu", options=rank.reader, node_read=rank.node_read)[0]
+
+
+def replace_file(path: str) -> None:
+    """A file replaced after planning by one of the same size, its header (a tensor renamed) and data differing."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[data.index(b'"model.') + 1] = ord("n")
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:] = bytes(b ^ 0xFF for b in data[start:])
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.replace(path + ".new", path)
+
+
+@pytest.mark.parametrize("mode,path,fault", cells())
+def test_every_fault_on_every_path_ends_in_a_named_error_or_exact_shards(netfs, llama_dir, llama_copy, mode, path,
+                                                                        fault):
+    """The fault matrix: a stall, EIO mid-load, reads answered short, a file truncated or replaced after planning
+    (truncated: a FileChangedError where the open sees it, else a ReadError for the file ending early). Each ends in
+    its named error within request_timeout_s + 2 s, naming the file (or in exact shards); no process
+    is killed (an EIO met through a mapping would be a SIGBUS: this process); once the storage answers or the file
+    is back, the next load in the process, planned again, is exact; and no raylazy thread or mapping of the mount
+    is left."""
+    fs = netfs(llama_copy, mode=mode, latency_s=0.001, attr_timeout_s=0.0)  # a change behind it seen at once
+    largest = max(shard_files(llama_copy), key=lambda n: os.path.getsize(os.path.join(llama_copy, n)))
+    read = read_path(path, fs.mountpoint)
     fs.reset()
-    fs.control(fault={"stall": True, "after_bytes": half_way(fs, plan)})
-    t0 = time.monotonic()
-    with pytest.raises(StorageStallError) as err:
-        read_one_rank(plan, backend)
-    waited = time.monotonic() - t0
-    assert TIMEOUT_S <= waited < TIMEOUT_S + 2, waited
-    message = str(err.value)
-    assert fs.mountpoint in message and "fuse (fuse.raylazy-netfs" in message and "request_timeout_s=1" in message
-    assert leftovers(fs.mountpoint), "a read blocked on the stalled mount should still be waiting"
-    if recover == "answer":
-        fs.control(fault=None)
+    half = raylazy.plan(fs.mountpoint, tp=1).bytes_needed // 2
+    fs.reset()
+    if fault == "truncate":
+        os.truncate(os.path.join(llama_copy, largest), os.path.getsize(os.path.join(llama_copy, largest)) - 4096)
+    elif fault == "replace":
+        replace_file(os.path.join(llama_copy, largest))
     else:
-        abort_connection(fs)
+        fs.control(fault={"stall": {"stall": True}, "eio": {"fail": 5}, "short": {"short": True}}[fault]
+                   | {"after_bytes": half})
+    t0 = time.monotonic()
+    try:
+        if outcome(path, fault) is None:
+            assert exact(read(), llama_dir), "reads answered short: the shards are not exact"
+        else:
+            with pytest.raises(outcome(path, fault)) as err:
+                read()
+            waited = time.monotonic() - t0
+            assert waited < TIMEOUT_S + 2, waited
+            assert fs.mountpoint in str(err.value), err.value
+            if fault == "eio":
+                assert not isinstance(err.value, StorageStallError) and "on fuse storage" in str(err.value), err.value
+    finally:
+        fs.control(fault=None)  # the stalled reads answered
+        shutil.copyfile(os.path.join(llama_dir, largest), os.path.join(llama_copy, largest))
+    assert exact(read_path(path, fs.mountpoint)(), llama_dir), "the next load is not exact"
     assert not gone_within(fs.mountpoint, 5.0)
 
 
-def test_reads_that_come_short_are_completed(netfs, llama_dir):
-    """With direct_io every read the server answers short reaches the reader short: it reads on for the rest."""
-    fs = netfs(llama_dir, mode="direct", latency_s=0.0)
-    plan = raylazy.plan(fs.mountpoint, tp=2)
-    fs.control(fault={"short": True})
-    full, cfg = reference_tensors(llama_dir), model_config(llama_dir)
-    shards, _ = read_rank(plan.ranks[1], "cpu", options=ReaderOptions(backend="ranged"))
-    want = expected_rank(full, cfg, 1, 2)
-    assert shards.keys() == want.keys() and all(torch.equal(shards[n], t) for n, t in want.items())
-
-
-def test_an_error_mid_load_names_the_file_and_the_storage_kind(netfs, llama_dir):
-    fs = netfs(llama_dir, mode="direct", latency_s=0.0)
-    plan = raylazy.plan(fs.mountpoint, tp=1)
-    fs.reset()
-    fs.control(fault={"fail": 5, "after_bytes": half_way(fs, plan)})  # EIO
-    with pytest.raises(ReadError) as err:
-        read_one_rank(plan, "ranged")
-    assert not isinstance(err.value, StorageStallError)
-    assert fs.mountpoint in str(err.value) and "on fuse storage" in str(err.value), err.value
+def test_planning_on_a_stalled_mount_fails_within_the_storage_timeout(netfs, llama_dir):
+    """Planning's header reads are requests like the readers': a mount that stops answering fails `raylazy.plan`
+    with a StorageStallError naming the file within request_timeout_s (+ 2 s), and once it answers, the blocked
+    read's thread ends and planning works."""
+    fs = netfs(llama_dir, mode="cached", latency_s=0.001)
+    fs.control(fault={"stall": True})
+    stalled(fs, lambda: raylazy.plan(fs.mountpoint, tp=2, request_timeout_s=TIMEOUT_S))
+    fs.control(fault=None)
     assert not gone_within(fs.mountpoint, 5.0)
+    assert raylazy.plan(fs.mountpoint, tp=2).bytes_needed == raylazy.plan(llama_dir, tp=2).bytes_needed
 
 
 @pytest.mark.ray
