@@ -90,7 +90,13 @@ PROFILES = {
     "emulated-nfs": Profile(0.002, 250e6, "cached", 1024, "the tests' NFS-like mount: EFS's latency at a 2-core budget"),
     "emulated-bucket": Profile(0.010, 250e6, "direct", None,
                                "the tests' uncached bucket mount: a bucket's latency scaled down like the budget"),
+    "emulated-fuse": Profile(0.002, 250e6, "cached", None,
+                             "a FUSE mount keeping its pages, asked the kernel's 128 KiB at a time (sshfs, blobfuse, "
+                             "a bucket mount without prefetch): the NFS-like mount's latency and budget"),
 }
+
+#: The benchmarks' and tests' modes of the emulated mount: the profile each mounts with.
+MODE_PROFILES = {"cached": "emulated-nfs", "direct": "emulated-bucket", "fuse": "emulated-fuse"}
 
 
 class TokenBucket:

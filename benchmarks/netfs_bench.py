@@ -36,7 +36,7 @@ import traceback
 
 from .loaders import impls
 from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
-from .netfs import PROFILES, fuse_problem
+from .netfs import MODE_PROFILES, PROFILES, fuse_problem
 
 LOADERS = ("raw", "naive", "ranged", "cooperative", "raylazy")
 _FORK = multiprocessing.get_context("fork")
@@ -87,7 +87,7 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
     from raylazy.io.nodes import node_reads
     from raylazy.storage import storage_for
 
-    with PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"].mount(model_dir) as fs, \
+    with PROFILES[MODE_PROFILES[mode]].mount(model_dir) as fs, \
             tempfile.TemporaryDirectory(prefix="raylazy-netfs-meet-") as meeting:
         plan = raylazy.plan(fs.mountpoint, tp=tp)
         load_id = f"netfsbench{os.getpid()}x{time.monotonic_ns()}"
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model-dir", help="use this checkpoint instead of building one")
     ap.add_argument("--size-gb", type=float, default=0.5, help="checkpoint size to build (default 0.5)")
     ap.add_argument("--tp", default="2,4")
-    ap.add_argument("--modes", default="cached,direct")
+    ap.add_argument("--modes", default="cached,direct,fuse", help="of " + ", ".join(MODE_PROFILES))
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--runs", type=int, default=2)
     a = ap.parse_args(argv)
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
                                                  os.path.join(tempfile.gettempdir(), "raylazy-netfs-bench"))
     loaders, modes, tps = a.loaders.split(","), a.modes.split(","), [int(x) for x in a.tp.split(",")]
     for mode in modes:
-        p = PROFILES["emulated-nfs" if mode == "cached" else "emulated-bucket"]
+        p = PROFILES[MODE_PROFILES[mode]]
         print(f"{mode}: {p.note}: latency {p.latency_s * 1e3:g} ms, budget {p.bandwidth_bps / 1e6:g} MB/s, "
               f"read-ahead {p.read_ahead_kb or 128} KiB")
     run_once(model_dir, modes[0], loaders[0], tps[0])  # a first load warms this process and the machine, untimed

@@ -7,7 +7,7 @@ system's from its kind (`for_kind`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .kinds import StorageKind
 from .plans import RankPlan, Read
@@ -82,7 +82,9 @@ _OTHER_NETWORK = CostModel(request_s=0.002, connection_bps=200e6, concurrency=16
 
 def for_kind(kind: StorageKind | None) -> CostModel | None:
     """What reads cost on a file system of `kind`: None where a request costs little (local disks, tmpfs), the
-    kind's figures for network storage."""
+    kind's figures for network storage, with the request size and depth the kernel says its mount is read with
+    (`StorageKind.request_bytes`, `depth`) in place of the kind's where it says them."""
     if kind is None or not kind.network:
         return None
-    return _NETWORK.get(kind.name, _OTHER_NETWORK)
+    costs = _NETWORK.get(kind.name, _OTHER_NETWORK)
+    return replace(costs, part_bytes=kind.request_bytes or costs.part_bytes, concurrency=kind.depth or costs.concurrency)

@@ -14,7 +14,9 @@ class StorageKind(BaseModel):
     mount table names ("ext4", "nfs4", "fuse.gcsfuse"; the URI scheme for object storage); `network` whether every
     read not served by a cache crosses a network; `page_cache` whether pages one process of the node read serve
     the node's other processes without reaching the storage (the kernel's page cache; GPFS's pagepool); and
-    `mount_point` the mount holding the checkpoint ("" for object storage)."""
+    `mount_point` the mount holding the checkpoint ("" for object storage). `request_bytes` and `depth`: the size of
+    the requests the kernel sends the storage and how many it keeps in flight, where the kernel says (0: it does
+    not; `raylazy.storage.kinds.kernel_shape`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -23,6 +25,8 @@ class StorageKind(BaseModel):
     network: bool
     page_cache: bool
     mount_point: str = ""
+    request_bytes: int = 0
+    depth: int = 0
 
     def describe(self) -> str:
         """One line for summaries: "nfs (nfs4 at /mnt/models), network, page cache shared"."""

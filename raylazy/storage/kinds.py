@@ -27,6 +27,7 @@ class Mount(NamedTuple):
     fs_type: str
     source: str
     options: frozenset[str]  # the mount's and the super block's options, e.g. "cache=none"
+    device: str = ""  # major:minor of its file system, e.g. "0:41"
 
 
 #: Kind, whether reads cross a network, whether the node shares pages read, by file-system type.
@@ -99,7 +100,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         sep = fields.index("-", 6)
         fs_type, source, super_opts = (fields[sep + 1 : sep + 4] + ["", ""])[:3]
         options = frozenset(fields[5].split(",")) | frozenset(super_opts.split(","))
-        mounts.append(Mount(_unescape(fields[4]), fs_type, _unescape(source), options))
+        mounts.append(Mount(_unescape(fields[4]), fs_type, _unescape(source), options, fields[2]))
     return mounts
 
 
@@ -196,4 +197,42 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
         return kind_of(MAGIC.get(statfs_type(path) or 0, "unknown"))
     fuse = mount.fs_type == "fuse" or mount.fs_type.startswith("fuse.")
     probed = (uncached if uncached is not None else _probed(path)) if fuse else None
-    return kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
+    kind = kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
+    if not kind.network:
+        return kind
+    request_bytes, depth = kernel_shape(mount, fuse, kind.page_cache)
+    return kind.model_copy(update={"request_bytes": request_bytes, "depth": depth})
+
+
+def kernel_shape(mount: Mount, fuse: bool, cached: bool = True, sysfs: str = "/sys") -> tuple[int, int]:
+    """(request bytes, requests in flight) the kernel reads network mount `mount` with, 0 for either it does not
+    say. NFS: `rsize` from its options (the size of its READs). A FUSE mount keeping its pages (`cached`): its
+    read-ahead (its bdi's read_ahead_kb, the size of the requests a buffered read makes), at most its `max_read`
+    where set, and the connection's `max_background` (the asynchronous requests it keeps in flight:
+    /sys/fs/fuse/connections/MINOR); one serving direct_io passes each read on as it is asked (up to the
+    connection's request size, which sysfs does not show): nothing said. Nothing on the mount is touched: the mount
+    table and sysfs only."""
+    options = dict(o.split("=", 1) for o in mount.options if "=" in o)
+    if not fuse:
+        return _int(options.get("rsize")), 0
+    if not cached:
+        return 0, 0
+    read_ahead = _int(_read(f"{sysfs}/class/bdi/{mount.device}/read_ahead_kb")) * 1024
+    max_read = _int(options.get("max_read"))
+    minor = mount.device.partition(":")[2]
+    return min(read_ahead, max_read or read_ahead), _int(_read(f"{sysfs}/fs/fuse/connections/{minor}/max_background"))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _int(text: str | None) -> int:
+    try:
+        return max(0, int((text or "").strip()))
+    except ValueError:
+        return 0

@@ -12,7 +12,15 @@ import pytest
 import raylazy
 from raylazy.core.plans import Plan
 from raylazy.storage import LocalStorage, storage_for
-from raylazy.storage.kinds import MAGIC, kind_of, mount_of, parse_mountinfo, statfs_type, storage_kind
+from raylazy.storage.kinds import (
+    MAGIC,
+    kernel_shape,
+    kind_of,
+    mount_of,
+    parse_mountinfo,
+    statfs_type,
+    storage_kind,
+)
 
 #: Mount tables as the kernel writes them (/proc/self/mountinfo), one line per system, from hosts that have them.
 RECORDED = """\
@@ -138,6 +146,43 @@ def test_the_emulated_mount_is_a_network_fuse_mount_and_the_plan_says_so(netfs, 
     with storage_for(fs.path("config.json")).open(plan.files[0].uri) as source:
         assert source.cached == (mode == "cached")  # no read-ahead hints where nothing is kept
     assert raylazy.plan(llama_dir, tp=2).storage == storage_kind(llama_dir)
+
+
+def test_the_kernel_says_the_request_size_and_depth_of_nfs_and_fuse_mounts(tmp_path):
+    """NFS: its READs are `rsize` (the mount table); FUSE: a buffered read's requests are the mount's read-ahead
+    (its bdi in sysfs), at most `max_read` where the mount sets it, and the connection keeps `max_background`
+    requests in flight (/sys/fs/fuse/connections/MINOR); served with direct_io, its reads go as asked. Where sysfs
+    says nothing, nothing is assumed."""
+    (tmp_path / "class/bdi/0:62").mkdir(parents=True)
+    (tmp_path / "class/bdi/0:62/read_ahead_kb").write_text("128\n")
+    (tmp_path / "fs/fuse/connections/62").mkdir(parents=True)
+    (tmp_path / "fs/fuse/connections/62/max_background").write_text("12\n")
+    mounts = {m.mount_point: m for m in parse_mountinfo(RECORDED)}
+    assert kernel_shape(mounts["/mnt/efs"], False, sysfs=str(tmp_path)) == (0, 0)  # the later /mnt/efs: no rsize
+    assert kernel_shape(mounts["/mnt/filestore"], False, sysfs=str(tmp_path)) == (1 << 20, 0)
+    sshfs = mounts["/mnt/sshfs"]
+    assert kernel_shape(sshfs, True, sysfs=str(tmp_path)) == (128 << 10, 12)
+    assert kernel_shape(sshfs._replace(options=sshfs.options | {"max_read=65536"}), True, sysfs=str(tmp_path)) == (
+        64 << 10, 12)
+    assert kernel_shape(sshfs, True, cached=False, sysfs=str(tmp_path)) == (0, 0)  # direct_io: reads as asked
+    assert kernel_shape(mounts["/mnt/gcs"], True, sysfs=str(tmp_path)) == (0, 0)  # 0:51: nothing in this sysfs
+
+
+def test_the_emulated_mounts_requests_are_the_size_the_kernel_says(netfs, tmp_path):
+    """On a live FUSE mount with read-ahead 256 KiB: the kind's request size is 256 KiB and the storage's figures
+    use it; a cold read of a file through the mount reaches the server (its own count) in requests of that size."""
+    (tmp_path / "blob").write_bytes(os.urandom(8 << 20))
+    fs = netfs(str(tmp_path), mode="cached", read_ahead_kb=256)
+    kind = storage_kind(fs.mountpoint)
+    assert kind.request_bytes == 256 << 10 and kind.depth > 0
+    costs = storage_for(fs.mountpoint).cost_model(fs.mountpoint, kind)
+    assert (costs.part_bytes, costs.concurrency) == (kind.request_bytes, kind.depth)
+    fs.reset()
+    with open(fs.path("blob"), "rb") as f:
+        while f.read(4 << 20):
+            pass
+    stats = fs.stats()
+    assert stats["bytes"] == 8 << 20 and stats["bytes"] / stats["requests"] == kind.request_bytes, stats
 
 
 def test_object_storage_is_a_network_store_without_page_cache():
