@@ -144,12 +144,15 @@ class NodeRead:
     """One read by the ranks of a node together (a node backend), the same for each of them: the node's schedule,
     its ranks' plans in `schedule.ranks` order where the backend needs them (an exchange reader sends each rank
     what it keeps; `raylazy.io.nodes.node_read` builds it), an id unique to the read (it names the node's ready
-    map, for cooperative stripe readers) and where the ranks meet (the exchange's rendezvous address)."""
+    map, for cooperative stripe readers) and where the ranks meet (the exchange's rendezvous address). `mapped`:
+    whether cooperative keepers copy out of mappings of the files (local storage) or read their keeps out of the
+    page cache (network storage, where a read failed through a mapping is a SIGBUS)."""
 
     schedule: NodeSchedule
     plans: tuple[RankPlan, ...] = ()
     load_id: str = ""
     address: str = ""
+    mapped: bool = True
 
 
 class Keep(NamedTuple):

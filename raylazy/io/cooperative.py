@@ -61,7 +61,6 @@ from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
 from .buffers import shard_buffers, shards_of
 from .mapping import mapped_files, populate, populates, unmap_later
-from .nodes import maps_safely
 from .ranged import gap_bytes, read_part
 from .stats import Counter, Meter, Progress, ReadStats
 
@@ -103,11 +102,11 @@ def read_rank_cooperative(
         sources = stack.enter_context(open_planned_files(plan, sorted(files), opened=sources))
         _check_local(plan, sources)
         kept = {k.part.read.file for k in keeps}
-        if dev.type != "cpu" and not all(maps_safely(sources[f].kind) for f in kept):
+        if dev.type != "cpu" and not node_read.mapped:
             raise ConfigurationError(f"{plan.files[min(kept)].uri}: on network storage cooperative reads copy out of "
                                      "the page cache with reads, on the CPU only: use backend='exchange'")
         # network storage: read out of the page cache instead (a failed read met through a mapping is a SIGBUS)
-        maps = stack.enter_context(mapped_files({f: sources[f] for f in kept if maps_safely(sources[f].kind)}))
+        maps = stack.enter_context(mapped_files({f: sources[f] for f in kept} if node_read.mapped else {}))
         readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
         with _one_intra_op_thread(torch):
             _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s)

@@ -70,9 +70,10 @@ def node_reads(plan: Plan, node_ids: Sequence[str], devices: Sequence[str], read
 def node_read(backend: str, plan: Plan, schedule, load_id: str, address: str = "") -> NodeRead:
     """What every rank of node `schedule` gets to read `plan` with node backend `backend`: the exchange's readers
     send each rank what it keeps, so they get the plans of all the node's ranks (and `address`, where they meet);
-    cooperative ranks meet in the page cache and need only the schedule and `load_id`."""
+    cooperative ranks meet in the page cache and need only the schedule, `load_id` and whether the files may be
+    mapped (`maps_safely`, from the storage the plan names: the ranks read nothing but the checkpoint)."""
     plans = tuple(plan.ranks[r] for r in schedule.ranks) if backend == "exchange" else ()
-    return NodeRead(schedule, plans, load_id, address)
+    return NodeRead(schedule, plans, load_id, address, maps_safely(plan.storage))
 
 
 class NodeGroup(Protocol):
