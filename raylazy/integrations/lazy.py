@@ -189,8 +189,10 @@ class LazyWeight:
         box = self.lens.dims[dim]
         if box is not None:
             return self._with(self.region.narrow(box, start, length))
-        if (start in (0, -1) and length == 1) or length == 0 and start in (0, 1):
-            return self if length else self.materialize().narrow(dim, start, length)
+        if start in (0, -1) and length == 1:
+            return self
+        if length == 0 and start in (0, 1):  # empty: not a byte to read (eager torch's is an empty view)
+            return torch.empty(self.shape[:dim] + (0,) + self.shape[dim + 1 :], dtype=self.dtype, device=self.device)
         raise RuntimeError(f"{self.region.tensor.name}: narrow(dim={dim}, start={start}, length={length}) is out of "
                            "range for size 1")
 
