@@ -31,8 +31,12 @@ class Copy:
 
     def do(self, box: torch.Tensor) -> torch.Tensor:
         """The copy, from the region's `box` as read, through the weight's conversions, the last made as it is
-        copied (one pass where there is one); none where the box was read into `dst` itself."""
-        src = self.lens.converted(self.lens.shown(box, self.region.sizes), self.dst.dtype)
+        copied (one pass) where the copy reads the bytes in the destination's own order; none where the box was
+        read into `dst` itself. Elsewhere each conversion is a `to()` first, as eager torch's: its `to()` keeps its
+        input's layout, and torch's kernels keep a NaN's payload converting in order but not converting across
+        a transposition."""
+        shown = self.lens.shown(box, self.region.sizes)
+        src = self.lens.converted(shown, self.dst.dtype if shown.is_contiguous() and self.dst.is_contiguous() else None)
         if not _same_memory(src, self.dst):
             self.dst.copy_(src)
         return self.dst

@@ -393,6 +393,7 @@ SEEDS = {
     "setitem-leading-ones": ("P['p0'][0] = W['f'].unsqueeze(0)", {"p0": ((1,), torch.float32)}),
     "empty-narrow-of-an-added-dim": ("P['p0'].copy_(W['a'].unsqueeze(0).narrow(0, 0, 0))",
                                      {"p0": ((0, 70, 13), torch.float32)}),
+    "conversion-then-transpose": ("P['p0'].copy_(W['a'].to(torch.bfloat16).t())", {"p0": ((13, 70), torch.bfloat16)}),
     "take-written-into": ("x = W['a'].clone()\nz = W['a'].clone()\nx.mul_(0)\nP['p0'].copy_(z * 1)",
                           {"p0": ((70, 13), torch.float32)}),
 }
