@@ -89,7 +89,6 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "gptj": ("gptj", {}),
     "opt": ("opt", {"ffn_dim": 256, "word_embed_proj_dim": 128}),
     "stablelm": ("stablelm", {}),
-    "phimoe": "vLLM's default loader fails the same engine: its workers fail to initialize",
     "dbrx": ("dbrx", {"d_model": 128, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
                       "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
                       "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}),
@@ -104,6 +103,14 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # index into the fused q|k|v and gate|up (and the experts') scale parameters, per-channel ones narrowed with
     # their weights. vLLM's CPU build runs no FP8 checkpoint (per-tensor: its static_scaled_fp8_quant kernel is not
     # built; block-scaled: no ScaledMM kernel), so FP8's loaders cannot be compared here.
+    # Mamba and hybrids (found by trying what vLLM's CPU build runs): Mamba2's mixer (in_proj split by its own
+    # sharded loader, conv1d unsqueezed, A_log exponentiated), Falcon-H1 (Mamba2 and attention side by side),
+    # Granite 4 (Mamba2, attention and experts), Jamba (Mamba 1: loads, but its selective scan is not in the CPU
+    # build, for any loader: weights compared, no tokens).
+    "mamba2": ("mamba2", {"num_heads": 8, "head_dim": 32, "n_groups": 1, "expand": 2, "state_size": 16}),
+    "falcon_h1": ("falcon_h1", {}),
+    "granitemoehybrid": ("granitemoehybrid", {}),
+    "jamba": ("jamba", {}),
     "llama-w8a8": ("llama", {}),
     "llama-w8a8-channel": ("llama", {}),
     "mixtral-w8a8": ("mixtral", {}),
@@ -121,10 +128,15 @@ LEFT_OUT = {
 #: vLLM's CPU multi-head latent attention and its int8 W8A8 layers run in bfloat16 only.
 DTYPE = {"deepseek_v2": "bfloat16", "deepseek_v3": "bfloat16", **dict.fromkeys(QUANTIZED, "bfloat16")}
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"}]
+#: Architectures whose loader raylazy runs again instead of replaying, and why (the log line's reason): vLLM's Mamba
+#: mixers load A with a composed weight loader, the copy and then -exp(A) computed from the parameter itself.
+RERUN = dict.fromkeys(("mamba2", "falcon_h1", "granitemoehybrid", "jamba"),
+                      "float used a tensor that a deferred copy writes, after that copy")
 #: Where vLLM's in-place reload of the default loader's weights does not give the default loader's engine on its CPU
 #: build (fused MoE layers: the tokens after it differ while every weight loaded fresh is equal), a second engine,
 #: on the default loader, gives the tokens.
-SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", *QUANTIZED)
+SECOND_ENGINE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "granitemoehybrid",
+                 *QUANTIZED)
 
 
 def serve(python: str, archs, root: Path, dtype: str | None = None, extra: dict | None = None,
