@@ -129,8 +129,9 @@ LEFT_OUT = {
 DTYPE = {"deepseek_v2": "bfloat16", "deepseek_v3": "bfloat16", **dict.fromkeys(QUANTIZED, "bfloat16")}
 CHECKS = [{"name": "auto", "format": "auto"}, {"name": "raylazy", "format": "raylazy"}]
 #: Architectures whose loader raylazy runs again instead of replaying, and why (the log line's reason): vLLM's Mamba
-#: mixers load A with a composed weight loader, the copy and then -exp(A) computed from the parameter itself.
-RERUN = dict.fromkeys(("mamba2", "falcon_h1", "granitemoehybrid", "jamba"),
+#: Mamba2 mixers load A with a composed weight loader, the copy and then -exp(A) computed from the parameter itself
+#: (Jamba's Mamba 1 mixer replays).
+RERUN = dict.fromkeys(("mamba2", "falcon_h1", "granitemoehybrid"),
                       "float used a tensor that a deferred copy writes, after that copy")
 #: Where vLLM's in-place reload of the default loader's weights does not give the default loader's engine on its CPU
 #: build (fused MoE layers: the tokens after it differ while every weight loaded fresh is equal), a second engine,
