@@ -478,6 +478,8 @@ def test_rule_errors_name_the_tensor(llama_dir):
     with pytest.raises(RuleError) as e:
         make_plan(llama_dir, 2, rules=[("model.norm.weight", Split(1))])
     assert "model.norm.weight" in str(e.value) and "'model.norm.weight'" in str(e.value)
+    with pytest.raises(RuleError, match="dim -2 is out of range"):  # a negative dim one past the first, too
+        make_plan(llama_dir, 2, rules=[("model.norm.weight", Split(-2))])
     with pytest.raises(IndivisibleDimError, match=r"_proj\.weight.*heads\((q|kv)\): tp=3"):
         make_plan(llama_dir, 3, uneven="chunk")  # heads never chunk: 3 divides neither 8 q nor 2 kv heads
     with pytest.raises(ShardingError):

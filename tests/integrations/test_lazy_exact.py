@@ -115,8 +115,9 @@ def _view(draw, e: str, m: torch.Tensor) -> str:
     kinds += ["t"] * (n <= 2) + ["T"] * (n == 2) + ["arith"] * floating + ["view_kw"] * bool(n)
     kind = draw(st.sampled_from(kinds))
     neg = draw(st.booleans())
-    fixed = {"narrow": f"{e}.narrow({d - n if neg else d}, {start}, {length})",
-             "torch.narrow": f"torch.narrow({e}, {d}, {start}, {length})", "slice": f"{e}[{':, ' * d}{start}:{start + length}]",
+    from_end = start - size if start < size and draw(st.booleans()) else start  # a start counted from the end
+    fixed = {"narrow": f"{e}.narrow({d - n if neg else d}, {from_end}, {length})",
+             "torch.narrow": f"torch.narrow({e}, {d}, {from_end}, {length})", "slice": f"{e}[{':, ' * d}{start}:{start + length}]",
              "t": f"{e}.t()", "T": f"{e}.T", "squeeze": f"{e}.squeeze({d})" if neg else f"{e}.squeeze()",
              "flatten": f"{e}.reshape(-1)",  # dims merged: read at once
              "cat": f"torch.cat([{e}, {e}], {d})", "stack": f"torch.stack([{e}, {e}])"}
@@ -400,6 +401,7 @@ SEEDS = {
     "conversion-then-transpose": ("P['p0'].copy_(W['a'].to(torch.bfloat16).t())", {"p0": ((13, 70), torch.bfloat16)}),
     "changed-then-converted": ("x0 = W['g'].narrow(1, 0, 4)\nx0.neg_()\nP['p0'].copy_(x0)",
                                {"p0": ((90, 4), torch.bfloat16)}),
+    "narrow-from-the-end": ("P['p0'].copy_(W['a'].narrow(0, -5, 3))", {"p0": ((3, 13), torch.float32)}),
     "take-written-into": ("x = W['a'].clone()\nz = W['a'].clone()\nx.mul_(0)\nP['p0'].copy_(z * 1)",
                           {"p0": ((70, 13), torch.float32)}),
 }
