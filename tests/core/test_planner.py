@@ -664,6 +664,14 @@ def test_a_slice_off_whole_bytes_is_a_sharding_error_not_a_header_error():
     assert pickle.loads(pickle.dumps(err)).args == err.args
 
 
+def test_a_box_off_whole_bytes_names_the_box():
+    """A lazy weight's box of an F4 tensor cut along two dims, half a byte: the error names the box and the file."""
+    blob, _ = _header_and_file("F4", (2, 4), 0)
+    t = parse_header(blob, len(blob), "t.safetensors").tensors[0]
+    with pytest.raises(PartialByteSliceError, match=r"t\.safetensors: tensor 't': the box \[0:1, 1:3\] of F4 \[2, 4\]"):
+        Region(0, t, (0, 1), (1, 2)).shard("t", gathering(0, None), "t.safetensors")
+
+
 def _bits(data: bytes) -> str:
     return "".join(f"{b:08b}" for b in data)
 
