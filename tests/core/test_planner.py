@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from raylazy.core.boxes import Region, gathering
+from raylazy.core.boxes import Region, batch_cuts, gathering
 from raylazy.core.checkpoint import Checkpoint, ModelConfig
 from raylazy.core.dtypes import DTYPE_BITS
 from raylazy.core.header import TensorInfo, parse_header
@@ -662,6 +662,32 @@ def test_a_slice_off_whole_bytes_is_a_sharding_error_not_a_header_error():
     assert not isinstance(err, (HeaderError, CheckpointError))
     assert "t.safetensors" in str(err) and "'t'" in str(err) and "[0:1] along dim 1" in str(err) and "F4 [2, 2]" in str(err)
     assert pickle.loads(pickle.dumps(err)).args == err.args
+
+
+@settings(max_examples=200, deadline=None)
+@given(held=st.lists(st.lists(st.one_of(st.none(), st.integers(0, 100)), min_size=2, max_size=2), min_size=1,
+                     max_size=12),
+       budget=st.integers(1, 150))
+def test_batches_hold_at_most_the_budget(held, budget):
+    """`batch_cuts`: every region once, in checkpoint order; no process holds more than the budget in a batch unless
+    one region is all it holds there; a batch ends only where its next region would pass a process's budget."""
+    sizes = [4 * max(h or 0 for h in row) + 4 for row in held]
+    header = {f"t{i}": {"dtype": "F32", "shape": [n // 4], "data_offsets": [sum(sizes[:i]), sum(sizes[: i + 1])]}
+              for i, n in enumerate(sizes)}
+    blob = json.dumps(header).encode()
+    ts = parse_header(struct.pack("<Q", len(blob)) + blob + bytes(sum(sizes)), 8 + len(blob) + sum(sizes), "f").tensors
+    regions = [Region.whole(0, t) for t in ts]
+    wants = [{r: row[p] for r, row in zip(regions, held) if row[p] is not None} for p in range(2)]
+    batches = batch_cuts(wants, budget)
+    assert [r for b in batches for r in sorted({x for part in b for x in part}, key=lambda r: r.order)] == \
+        [r for r in regions if any(r in w for w in wants)]
+    for b, batch in enumerate(batches):
+        for p, part in enumerate(batch):
+            assert sum(wants[p][r] for r in part) <= budget or sum(1 for r in part if wants[p][r]) == 1
+        if b:  # cut where the first region of the batch would have passed the budget of the batch before
+            first = min((r for part in batch for r in part), key=lambda r: r.order)
+            before = [sum(wants[p][r] for r in part) for p, part in enumerate(batches[b - 1])]
+            assert any(h and h + wants[p].get(first, 0) > budget for p, h in enumerate(before))
 
 
 def test_a_box_off_whole_bytes_names_the_box():
