@@ -45,18 +45,15 @@ def choose_backend(requested: str, peers: int, device: str, page_cache: bool, no
     nogds = True if requested == "fastsafetensors" and nogds is None and peers > 1 else nogds
     if requested not in ("auto", *NODE_BACKENDS):
         return BackendChoice(requested, False, nogds=nogds)
-    if not page_cache:
+    if not page_cache or device != "cpu" and (requested == "auto" or not mappable):
         node = "exchange"
-    elif requested == "auto" or not mappable and device != "cpu":
-        node = "cooperative" if device == "cpu" else "exchange"
+    elif requested == "auto":
+        node = "cooperative" if mappable else ""  # "": no node read, each rank its own ranges
     else:
         node = requested
-    if copies_out and page_cache and requested != "exchange" and (peers < 2 or node == "cooperative"):
-        if mappable:
-            return BackendChoice("cooperative", False, peers < 2 and requested == "auto", nogds)
-        return BackendChoice("ranged", False, nogds=nogds)
-    if peers < 2 and (requested == "auto" or copies_out) or requested == "auto" and node == "cooperative" \
-            and not mappable:
+    if copies_out and page_cache and requested != "exchange" and (peers < 2 or node == "cooperative") and mappable:
+        return BackendChoice("cooperative", False, peers < 2 and requested == "auto", nogds)
+    if not node or peers < 2 and (requested == "auto" or copies_out) or copies_out and node == "cooperative":
         return BackendChoice("ranged", False, nogds=nogds)
     return BackendChoice(node, True, nogds=nogds)
 
