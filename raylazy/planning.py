@@ -17,7 +17,6 @@ from .core.planner import plan_checkpoint
 from .core.plans import Plan
 from .core.rules import RulesLike
 from .storage import open_checkpoint, storage_for
-from .storage.watch import watched
 
 
 def make_plan(
@@ -48,13 +47,12 @@ def make_plan(
     `storage_options` configure object storage (see `raylazy.storage.objects`). `cost_model`: plan for a storage of
     these costs instead of the checkpoint's own (`raylazy plan --hardware` plans for the hardware's storage).
     A storage request of the planning (a listing, opening a file, reading a header) unanswered for
-    `request_timeout_s` seconds raises StorageStallError (`raylazy.storage.watch`).
+    `request_timeout_s` seconds raises StorageStallError (`raylazy.storage.open_checkpoint`).
     """
     opts = validated(PlanOptions, tp=tp, pp=pp, mesh=mesh, pp_layers=pp_layers, expert_parallel=expert_parallel,
                      keep_mtp=keep_mtp, preset=preset, uneven=uneven, max_gap=max_gap)
     with gc_paused():  # the headers are most of the small objects too
-        ckpt = model if isinstance(model, Checkpoint) else \
-            watched(lambda: open_checkpoint(model, storage_options), request_timeout_s)
+        ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model, storage_options, request_timeout_s)
         storage = storage_for(ckpt.root, storage_options)
         kind = storage.kind(ckpt.root)
         plan = plan_checkpoint(ckpt, opts, rules, cost_model or storage.cost_model(ckpt.root, kind))

@@ -18,7 +18,6 @@ from ..errors import PeerFailedError
 from ..io.nodes import NodeGroup, ProcessGroupNode
 from ..io.stats import Meter
 from ..storage import open_checkpoint
-from ..storage.watch import watched
 from .reload import keep, weights_for_reload
 from .report import summary
 from .runs import at_once, opened, recorded
@@ -60,8 +59,7 @@ def checkpoint(model_config: ModelConfig, options: ServingOptions) -> Checkpoint
     model = model_config.model_weights or model_config.model
     if model_config.revision and not model_config.model_weights and not os.path.exists(model):
         model = f"{model}@{model_config.revision}"
-    reader = options.reader
-    return watched(lambda: open_checkpoint(model, reader.storage_options), reader.request_timeout_s)
+    return open_checkpoint(model, options.reader.storage_options, options.reader.request_timeout_s)
 
 
 def _workers() -> NodeGroup | None:

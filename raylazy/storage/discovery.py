@@ -36,6 +36,7 @@ from .base import Listing, NotAFileError, Source, Storage
 from .hub import resolve_model
 from .registry import open_source, storage_for
 from .verified import requested
+from .watch import watched
 
 
 def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FileHeader:
@@ -61,12 +62,17 @@ def _header(source: Source, path: str) -> FileHeader:
     return replace(parse_header(prefix + blob, file_size, path), version=source.version)
 
 
-def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
+                    request_timeout_s: float | None = None) -> Checkpoint:
     """Discover the safetensors files of `model_dir` (a path or URI, or a model id in the local Hugging Face
-    cache), validate their headers and read config.json; object storage is reached with `storage_options`.
+    cache), validate their headers and read config.json; object storage is reached with `storage_options`. With
+    `request_timeout_s`, a request (a listing, opening a file, reading a header) unanswered that long raises
+    StorageStallError (the discovery runs as a watched read: `raylazy.storage.watch`).
 
     Requests to object storage: one LIST of the directory, then one GET per file it names (index, shards,
     config.json; two for a header longer than `raylazy.storage.objects.HEAD_BYTES`), nothing looked up twice."""
+    if request_timeout_s is not None:
+        return watched(lambda: open_checkpoint(model_dir, storage_options), request_timeout_s)
     model = resolve_model(model_dir)
     storage = storage_for(model, storage_options)
     path = storage.absolute(model)
