@@ -58,7 +58,7 @@ from ..core.dtypes import DTYPE_BITS
 from ..core.options import ReaderOptions
 from ..core.plans import RankPlan, TensorShard
 from ..errors import ConfigurationError, GDSUnavailableError, RaylazyError, ReadError
-from ..storage import local_path, open_planned_files, requested
+from ..storage import local_path, open_planned_files, read_error, requested
 from .buffers import plan_files, shard_buffers, shards_of
 from .stats import Counter, Meter, Progress, ReadStats
 
@@ -253,8 +253,7 @@ def _watched(weights, plan: RankPlan, sources: dict):
             except Exception as e:  # fastsafetensors' own (an I/O error, a file ended early): named, its cause kept
                 if isinstance(e, RaylazyError):
                     raise
-                kind = f" (on {source.kind.name} storage)" if source.kind else ""
-                raise ReadError(f"{source.uri}{kind} or a file after it: {what}: {type(e).__name__}: {e}") from e
+                raise read_error(source, f"{what} (or a file after it)", f"{type(e).__name__}: {e}") from e
         if item is None:
             return
         yield item

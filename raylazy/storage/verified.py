@@ -192,10 +192,15 @@ def reading(source: Source, what: str) -> Iterator[None]:
         with requested(source, what):
             yield
     except OSError as e:
-        raise ReadError(f"{source.uri}{_on(source)}: {what}: {e.strerror or e}") from None
+        raise read_error(source, what, e.strerror or e) from None
     except EOFError as e:
         raise ReadError(f"{source.uri}{_on(source)}: file ended early {what}: {e}; it was truncated since planning") \
             from None
+
+
+def read_error(source: Source, what: str, why) -> ReadError:
+    """The ReadError of a read of `what` from `source` that failed for `why`: the file, the storage kind, what."""
+    return ReadError(f"{source.uri}{_on(source)}: {what}: {why}")
 
 
 def _on(source: Source) -> str:
