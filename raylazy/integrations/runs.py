@@ -9,40 +9,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..core.checkpoint import Checkpoint
 from ..core.options import ServingOptions
-from ..errors import first_line
 from ..io.nodes import NodeGroup
 from ..io.regions import RegionReader
 from ..io.serving import AtOnce, Serving
 from .lazy import lazy_weights
 from .recording import Recording, Served, in_place, overlapping, replay, wanted
-
-
-def opened(ckpt: Callable[[], Checkpoint], options: ServingOptions, group: NodeGroup | None, mine: Callable,
-           failure: Callable) -> tuple[RegionReader, list]:
-    """The checkpoint (`ckpt()`) opened on this worker, every file checked against its header, then every worker's
-    outcome gathered in one gathering before any other collective of the load, so that a worker that failed never
-    leaves the others waiting in one: (the reader, every worker's `mine(reader)`). Where one failed, every worker
-    raises `failure(worker, why, this worker's error or None)`, the reader closed."""
-    reads = error = got = None
-    try:
-        reads = RegionReader(ckpt(), options)
-        reads.sources(range(len(reads.ckpt.files)))
-        got = mine(reads)
-    except Exception as e:  # noqa: BLE001  (raised below, on every worker)
-        error = e
-    why = error and f"{type(error).__name__}: {first_line(error)}"
-    told = group.gather((why, got))() if group else [(why, got)]
-    failed = next(((r, w) for r, (w, _) in enumerate(told) if w), None)
-    if failed:
-        if reads is not None:
-            reads.__exit__(None, None, None)
-        raised = failure(*failed, error)
-        if raised is error:
-            raise error
-        raise raised from error
-    return reads, [m for _, m in told]
 
 
 def at_once(consume: Callable, reads: RegionReader, group: NodeGroup | None):

@@ -16,11 +16,12 @@ from ..core.checkpoint import Checkpoint
 from ..core.options import ServingOptions
 from ..errors import PeerFailedError
 from ..io.nodes import NodeGroup, ProcessGroupNode
+from ..io.regions import opened
 from ..io.stats import Meter
 from ..storage import open_checkpoint
 from .reload import keep, weights_for_reload
 from .report import summary
-from .runs import at_once, opened, recorded
+from .runs import at_once, recorded
 
 logger = init_logger("vllm.raylazy")
 

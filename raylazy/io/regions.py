@@ -1,12 +1,14 @@
 """Regions of one checkpoint (`raylazy.core.boxes.Region`: a box of a tensor) read with raylazy's readers:
 `RegionReader` holds the files open for a load, checked once, reads regions alone or as one process's part of a
 node's read (each region one shard of a rank plan, its box read exactly; whole tensors for fastsafetensors, the
-regions cut from them), and shows a region as a view of its file's mapping (`raylazy.io.mapping`)."""
+regions cut from them), and shows a region as a view of its file's mapping (`raylazy.io.mapping`); `opened` opens
+it on every process of a load and gathers their outcomes before any collective."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -18,11 +20,12 @@ from ..core.mesh import Mesh
 from ..core.options import ServingOptions
 from ..core.plans import FileRef, Plan, RankPlan
 from ..core.schedule import NodeRead
+from ..errors import first_line
 from ..storage import open_planned_files, storage_for
 from .backends import read_rank
 from .collective import Exchange
 from .mapping import cached_share, mapped, mapped_box, unmap_later
-from .nodes import maps_safely, shares_page_cache
+from .nodes import NodeGroup, maps_safely, shares_page_cache
 from .stats import ServingStats
 
 #: The share of each file's pages in the page cache from which a checkpoint counts as there (`RegionReader.warm`):
@@ -142,6 +145,32 @@ class RegionReader:
     def read_alone(self, region: Region) -> torch.Tensor:
         """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow)."""
         return self.read([region], backend=alone_backend(self.options.reader.backend))[region]
+
+
+def opened(ckpt: Callable[[], Checkpoint], options: ServingOptions, group: NodeGroup | None, mine: Callable,
+           failure: Callable) -> tuple[RegionReader, list]:
+    """The checkpoint (`ckpt()`) opened on this worker, every file checked against its header, then every worker's
+    outcome gathered in one gathering before any other collective of the load, so that a worker that failed never
+    leaves the others waiting in one: (the reader, every worker's `mine(reader)`). Where one failed, every worker
+    raises `failure(worker, why, this worker's error or None)`, the reader closed."""
+    reads = error = got = None
+    try:
+        reads = RegionReader(ckpt(), options)
+        reads.sources(range(len(reads.ckpt.files)))
+        got = mine(reads)
+    except Exception as e:  # noqa: BLE001  (raised below, on every worker)
+        error = e
+    why = error and f"{type(error).__name__}: {first_line(error)}"
+    told = group.gather((why, got))() if group else [(why, got)]
+    failed = next(((r, w) for r, (w, _) in enumerate(told) if w), None)
+    if failed:
+        if reads is not None:
+            reads.__exit__(None, None, None)
+        raised = failure(*failed, error)
+        if raised is error:
+            raise error
+        raise raised from error
+    return reads, [m for _, m in told]
 
 
 def _name(region: Region) -> str:

@@ -21,9 +21,8 @@ from raylazy.integrations.recording import Recording, Served, broadcasts_to, wan
 from raylazy.integrations.recording import replay as replay_copies
 from raylazy.integrations.reload import weights_for_reload
 from raylazy.integrations.report import fields, summary
-from raylazy.integrations.runs import opened
 from raylazy.io.nodes import ProcessGroupNode
-from raylazy.io.regions import RegionReader
+from raylazy.io.regions import RegionReader, opened
 from raylazy.io.serving import AtOnce, Serving
 from raylazy.io.stats import ServingStats
 from raylazy.storage import LocalSource, open_checkpoint, verified
@@ -571,7 +570,7 @@ def test_view_is_torch_view(llama_dir):
 
 
 def test_a_worker_that_cannot_open_the_checkpoint_fails_every_worker_before_any_collective(llama_dir, tmp_path):
-    """A load's opening (`raylazy.integrations.runs.opened`, as the vLLM worker's first load and reload make it):
+    """A load's opening (`raylazy.io.regions.opened`, as the vLLM worker's first load and reload make it):
     worker 1 cannot open the checkpoint (its directory is gone); both learn it in the one gathering before any
     other collective of the load: worker 1 raises its own error, worker 0 the failure it is given, naming worker
     1's cause, at once (neither waits in a collective), worker 0's files closed again."""
