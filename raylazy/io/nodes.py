@@ -49,9 +49,9 @@ def node_reads(plan: Plan, node_ids: Sequence[str], devices: Sequence[str], read
     `devices[r]`): the plan with its nodes' schedules where any reads with its node, and each rank's `RankRead`.
     `meet(ranks)` gives the meeting address of the exchanging nodes whose first ranks are `ranks` (asked once, all
     of them together); `load_id` names the reads (a node's ready map)."""
-    nodes, shared = group_by_node(node_ids), shares_page_cache(plan.files, plan.storage)
-    choices = [choose_backend(reader.backend, len(nodes.peers(r)), d, shared, reader.nogds,
-                              mappable=maps_safely(plan.storage))
+    nodes, shared, mappable = group_by_node(node_ids), shares_page_cache(plan.files, plan.storage), \
+        maps_safely(plan.storage)
+    choices = [choose_backend(reader.backend, len(nodes.peers(r)), d, shared, reader.nogds, mappable=mappable)
                for r, d in enumerate(devices)]
     readers = [reader.model_copy(update={"backend": c.backend, "nogds": c.nogds}) for c in choices]
     if not any(c.with_node for c in choices):
