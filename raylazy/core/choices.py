@@ -58,6 +58,14 @@ def choose_backend(requested: str, peers: int, device: str, page_cache: bool, no
     return BackendChoice(node, True, nogds=nogds)
 
 
+def maps_safely(storage) -> bool:
+    """Whether a copy out of a mapping of files on `storage` (a `StorageKind`, or the hardware's storage of an
+    estimate; None: not known) cannot end the process: local storage. A read that network storage fails (a server
+    gone, a FUSE daemon's EIO) is a SIGBUS where a mapping meets it, which kills the process, and no handler can
+    return from it (docs/network-storage.md)."""
+    return storage is None or not storage.network
+
+
 def alone_backend(requested: str) -> str:
     """What a rank reads with by itself (no node read: a region read at once, a rank whose copy from a live replica
     failed) when `requested` was asked for: "auto" and the node backends read "ranged", the others themselves."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..errors import ConfigurationError
-from .choices import choose_backend
+from .choices import choose_backend, maps_safely
 from .costs import CostModel
 from .dtypes import DTYPE_BITS
 from .hardware import Hardware, hardware_from
@@ -131,7 +131,7 @@ def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader
     """The storage, copy, exchange and device figures of one node's reading ranks."""
     st = hw.storage
     name = loader if loader != "raylazy" else \
-        choose_backend(backend, len(ranks), hw.device, st.page_cache, mappable=not st.network).backend
+        choose_backend(backend, len(ranks), hw.device, st.page_cache, mappable=maps_safely(st)).backend
     shards = tuple(sum(t.nbytes for t in plan.ranks[r].tensors) for r in ranks)
     zero = tuple(0 for _ in ranks)
     threads = min(64, st.connections) if st.network else LOCAL_THREADS

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..core.choices import choose_backend
+from ..core.choices import choose_backend, maps_safely
 from ..core.kinds import StorageKind
 from ..core.options import ReaderOptions
 from ..core.plans import FileRef, Plan
@@ -25,13 +25,6 @@ def shares_page_cache(files: tuple[FileRef, ...], storage: StorageKind | None = 
     """Whether the files are local ones on `storage` whose page cache a mapping of them shares (not object
     storage, not a FUSE mount serving direct_io)."""
     return all(local_path(f.uri) is not None for f in files) and (storage is None or storage.page_cache)
-
-
-def maps_safely(storage: StorageKind | None) -> bool:
-    """Whether a copy out of a mapping of files on `storage` cannot end the process: local storage. A read that
-    network storage fails (a server gone, a FUSE daemon's EIO) is a SIGBUS where a mapping meets it, which kills
-    the process, and no handler can return from it (docs/network-storage.md)."""
-    return storage is None or not storage.network
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 
 from ..core.boxes import Region, gathering
 from ..core.checkpoint import Checkpoint
-from ..core.choices import BackendChoice, alone_backend, choose_backend
+from ..core.choices import BackendChoice, alone_backend, choose_backend, maps_safely
 from ..core.mesh import Mesh
 from ..core.options import ServingOptions
 from ..core.plans import FileRef, Plan, RankPlan
@@ -25,7 +25,7 @@ from ..storage import open_planned_files, storage_for
 from .backends import read_rank
 from .collective import Exchange
 from .mapping import cached_share, mapped, mapped_box, unmap_later
-from .nodes import NodeGroup, maps_safely, shares_page_cache
+from .nodes import NodeGroup, shares_page_cache
 from .stats import ServingStats
 
 #: The share of each file's pages in the page cache from which a checkpoint counts as there (`RegionReader.warm`):
