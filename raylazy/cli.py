@@ -1,4 +1,5 @@
-"""The `raylazy` command: `plan` prints (and saves) a checkpoint's per-rank plan, `load` runs a load on Ray."""
+"""The `raylazy` command: `plan` prints (and saves) a checkpoint's per-rank plan, `load` runs a load on Ray, `hold`
+keeps a checkpoint in a Ray cluster's object store (lists and releases holders)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-progress", action="store_true")
 
+    p.add_argument("--from-holder", action="store_true",
+                   help="copy every rank's shards out of the holder of MODEL_DIR on its node (`raylazy hold`)")
+
+    p = sub.add_parser("hold", help="keep a checkpoint in the Ray cluster's object store for loads and vLLM engines "
+                       "(read from storage once), list the holders, or release them")
+    p.add_argument("model_dir", nargs="?", help="model directory, URI, or model id in the local Hugging Face cache")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="hold it on N nodes, this one first (default: every alive node)")
+    p.add_argument("--budget-bytes", type=int, default=None,
+                   help="most object-store bytes a node's holder may take (default: the node's object store)")
+    p.add_argument("--idle-s", type=float, default=None, help="release a holder no load took from for this long")
+    p.add_argument("--list", action="store_true", help="list the holders of this cluster")
+    p.add_argument("--release", action="store_true", help="release the holders of MODEL_DIR (or of the holder named)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
+                   help="object storage setting over the environment's; repeatable")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS)")
+
     args = parser.parse_args(argv)
     try:
-        return _plan(args) if args.command == "plan" else _load(args)
+        return _plan(args) if args.command == "plan" else _hold(args) if args.command == "hold" else _load(args)
     except RaylazyError as e:
         print(f"raylazy: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -172,7 +190,8 @@ def _load(args) -> int:
             print(f"no model given: generated a Llama-shaped checkpoint in {model_dir}")
         if args.address:
             ray.init(address=args.address)
-        loaded = load(model_dir, args.tp, **_mesh_args(args), replicas=args.replicas, rules=rules,
+        held = _found(model_dir) if args.from_holder else None
+        loaded = load(model_dir, args.tp, source=held, **_mesh_args(args), replicas=args.replicas, rules=rules,
                       backend=args.backend, device=args.device,
                       queue_size=args.queue_size, preset=args.preset, uneven=args.uneven, max_gap=args.max_gap,
                       storage_options=_storage_options(args), progress=False if args.no_progress else None)
@@ -181,12 +200,56 @@ def _load(args) -> int:
                   f"{'bytes':>12} {'from peers':>12} {'requests':>9} {'seconds':>8} {'rchar':>12}")
             for info, c, st, rp in zip(loaded.ranks, loaded.mesh, loaded.stats, loaded.plan.ranks):
                 print(f"{info.rank:>4} {c.replica:>7} {c.stage:>5} {c.tp_rank:>7} {info.node_id[:10]:>10} "
-                      f"{info.device:>7} {len(rp.tensors):>7} {st.bytes_needed:>12} {st.bytes_from_replica:>12} "
+                      f"{info.device:>7} {len(rp.tensors):>7} {st.bytes_needed:>12} {st.bytes_from_replica + st.bytes_from_holder:>12} "
                       f"{st.requests:>9} {st.seconds:>8.3f} {'-' if st.rchar is None else st.rchar:>12}")
             print(loaded.summary())
         finally:
             loaded.release()
     return 0
+
+
+def _hold(args) -> int:
+    """`raylazy hold`: in a running cluster (a holder lives on after this command: detached in it)."""
+    import os
+
+    import ray
+
+    from .cluster.holder import hold, holders
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ConfigurationError("raylazy hold keeps a checkpoint in a running Ray cluster: give --address or "
+                                 "RAY_ADDRESS (`ray start --head` starts one)")
+    if args.list == bool(args.model_dir):
+        raise ConfigurationError("give MODEL_DIR (to hold it, or --release it) or --list")
+    ray.init(address=address, logging_level="WARNING")
+    if args.list:
+        print(f"{'node':>10} {'bytes':>14} {'from':>10} {'seconds':>8} {'idle s':>8}  checkpoint")
+        for i in holders():
+            print(f"{i.node_id[:10]:>10} {i.nbytes:>14} {i.filled_from[:10]:>10} {i.seconds:>8.2f} "
+                  f"{i.idle_for_s:>8.0f}  {i.root}")
+    elif args.release:
+        _found(args.model_dir).release()
+        print(f"released the holders of {args.model_dir}")
+    else:
+        print(hold(args.model_dir, nodes=args.nodes, budget_bytes=args.budget_bytes, idle_s=args.idle_s,
+                   storage_options=_storage_options(args)).summary())
+    return 0
+
+
+def _found(model_dir: str):
+    """The holders of `model_dir` (its root as planned, or a holder's name): HolderGoneError where none is."""
+    from .cluster.bundles import ensure_ray
+    from .cluster.holder import find
+    from .errors import HolderGoneError
+    from .storage import open_checkpoint
+
+    ensure_ray()
+    root = model_dir if model_dir.startswith("raylazy-holder:") else open_checkpoint(model_dir).root
+    held = find(root)
+    if held is None:
+        raise HolderGoneError(f"{model_dir}: no holder of it in this Ray cluster (raylazy hold {model_dir})")
+    return held
 
 
 if __name__ == "__main__":

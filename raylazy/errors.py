@@ -247,6 +247,23 @@ class PeerFailedError(LoadError):
     """Exchanging bytes with the other ranks of a node failed: a peer rank failed, died or did not answer in time."""
 
 
+class HolderError(LoadError):
+    """A holder of a checkpoint's bytes in Ray (`raylazy.hold`) cannot serve a load."""
+
+
+class StaleHolderError(HolderError):
+    """The holder keeps another version of the checkpoint than the one on storage now (its files' headers, sizes,
+    ETags or modification times differ): it is never served from; hold again to refresh it."""
+
+
+class HolderFullError(HolderError):
+    """The checkpoint does not fit the holder's budget of object-store bytes on a node: refused before a byte is read."""
+
+
+class HolderGoneError(HolderError):
+    """No live holder of the checkpoint was found, or it died or was released while a load took from it."""
+
+
 class UnsupportedStorageError(CheckpointError):
     """A URI whose scheme no registered storage serves (see `raylazy.storage.register_storage`)."""
 

@@ -88,8 +88,9 @@ class RankMixin:
     Setup and state: `rank_init(rank, device)` (called by `raylazy.load(..., actors=[...])`), `info()`,
     `progress()`. Reading: `load(plan, options, node_read=None)`, `reload(plan, options, node_read=None)`,
     `exchange_address()` (an exchanged load's meeting point), `forget_load(load_id)` (cleanup after a failed
-    cooperative read). Copies between replicas: `receive(source, plan, options, transport, in_place)` on the
-    receiving rank, `peer_shards(names)` on its source, `land(key, shards)` for batches over a direct transport.
+    cooperative read), `take(root, identity, plan, options, timeout_s, in_place)` (out of a holder). Copies between
+    replicas: `receive(source, plan, options, transport, in_place)` on the receiving rank, `peer_shards(names)` on
+    its source, `land(key, shards)` for batches over a direct transport.
     The caller's: `shards()`, `run(fn, *args)`, `release()`. The instance gets one attribute, `_raylazy`. Create
     the actor with `max_concurrency` >= 2 (so `progress()` answers while `load()` runs) and
     `enable_tensor_transport=True` for direct transports in `LoadedModel.refs` and peer copies.
@@ -154,6 +155,24 @@ class RankMixin:
         state.landed = {}
         shards, stats = receive_shards(source, plan, state.info.device, options.staging_budget, transport,
                                        state.progress.add, state.landed, out)
+        self._hold(state, shards, plan, options)
+        return stats
+
+    def take(self, root: str, identity: str, plan: RankPlan, options: ReaderOptions, timeout_s: float,
+             in_place: bool = False) -> ReadStats:
+        """Copy this rank's shards out of the holder of checkpoint `root` on this node (else another node's: Ray's
+        object transfer), which checks it still holds `identity` (`raylazy.cluster.holder.take`), instead of reading
+        storage; `in_place` (a reload): into the shards it holds. On failure nothing is kept."""
+        from ..io.backends import read_rank
+        from .holder import take
+
+        held, _ = take(root, identity, timeout_s)
+        out = self._held_buffers(plan) if in_place else None
+        state = self._begin(in_place)
+        shards, stats = read_rank(plan, state.info.device, options=options.model_copy(update={"backend": "ranged"}),
+                                  on_progress=state.progress.add, out=out,
+                                  sources={f: held.source(f) for f in range(len(plan.files))})
+        stats.backend, stats.bytes_from_holder, stats.bytes_read, stats.requests = "holder", stats.bytes_read, 0, 0
         self._hold(state, shards, plan, options)
         return stats
 

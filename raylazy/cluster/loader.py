@@ -26,6 +26,7 @@ from ..io.stats import ReadStats
 from .actor import RankInfo, RankLoader
 from .bundles import ensure_ray
 from .group import Deadline, RankGroup
+from .holder import HeldModel
 from .loading import Load
 from .portable import portable_shards
 
@@ -101,14 +102,15 @@ class LoadedModel:
     def summary(self) -> str:
         """One line: model, mesh, bytes, end-to-end and reading seconds, GB/s, bytes read from storage as planned for
         the shards that read them (less than their sum when a node's ranks read shared bytes once), bytes copied from
-        replicas, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`); with the backend, the
+        replicas and holders, and the bytes the ranks' read calls returned, measured (`ReadStats.rchar`); with the backend, the
         storage kind and the read shape (most requests in flight, their largest size), and the end-to-end time's
         split into the load's `phases`."""
         needed = sum(s.bytes_needed for s in self.stats)
         read = sum(s.bytes_read for s in self.stats)
         rchar = [s.rchar for s in self.stats]
         from_replica = sum(s.bytes_from_replica for s in self.stats)
-        read_needed = sum(s.bytes_needed for s in self.stats if not s.bytes_from_replica)
+        from_holder = sum(s.bytes_from_holder for s in self.stats)
+        read_needed = sum(s.bytes_needed for s in self.stats if not (s.bytes_from_replica or s.bytes_from_holder))
         reading = max((s.seconds for s in self.stats), default=0.0)
         replicas = f" x {self.plan.mesh.dp} replicas" if self.plan.mesh.dp > 1 else ""
         shape = max(((s.in_flight, s.request_bytes) for s in self.stats), default=(0, 0))
@@ -121,6 +123,7 @@ class LoadedModel:
             f"in {self.seconds:.2f} s end to end{self._split()}, {reading:.2f} s reading "
             f"({needed / max(reading, 1e-9) / 1e9:.2f} GB/s), planned {format_bytes(read)} from storage "
             f"for {format_bytes(read_needed)} of their shards, {format_bytes(from_replica)} copied from live replicas, "
+            f"{format_bytes(from_holder)} from holders, "
             f"read calls returned {'?' if None in rchar else format_bytes(sum(rchar))} (rchar)"
         )
 
@@ -167,7 +170,7 @@ class LoadedModel:
 def load(
     model_dir: str | os.PathLike | None = None, tp: int | None = None, *, pp: int | None = None,
     expert_parallel: bool = False, pp_layers: list[int] | None = None, replicas: int = 1,
-    source: LoadedModel | None = None, mesh: Mesh | None = None, rules: RulesLike | None = None,
+    source: LoadedModel | HeldModel | None = None, mesh: Mesh | None = None, rules: RulesLike | None = None,
     device: str = "auto", backend: str = "auto", actor_cls: type = RankLoader, actors: list | None = None,
     **options: Any,
 ) -> LoadedModel:
@@ -181,11 +184,18 @@ def load(
     "cooperative", "exchange" or "fastsafetensors". `actor_cls`: `RankLoader` or a subclass; or `actors`: the
     caller's actors (one per rank, a `raylazy.RankMixin` each), placed by the caller and only emptied on release.
     `replicas`: copies of the grid; replica 0 reads storage, the others copy from it. `source`: a live
-    LoadedModel every rank copies from, reading no storage. Options (`raylazy.core.options`, checked before
+    LoadedModel every rank copies from, reading no storage; or a `raylazy.hold` of the checkpoint (a HeldModel),
+    every rank (of every replica) copying out of the holder on its node, storage read only for the headers. Options (`raylazy.core.options`, checked before
     anything starts: a ConfigurationError names a bad one) are PlanOptions', ReaderOptions', PlacementOptions'
     and LoadOptions' fields. Uses the Ray this process initialised, else RAY_ADDRESS's, else starts a local one.
     """
-    tp, pp, mesh = _replicated(model_dir, tp, pp, mesh, rules, replicas, source)
+    if isinstance(source, HeldModel):  # read as from storage, every rank out of the holder on its node
+        if model_dir is not None and os.path.abspath(model_dir) != os.path.abspath(source.root):
+            raise ConfigurationError(f"load(source=...) takes {source.root} from its holders: give no other "
+                                     f"model_dir ({model_dir})")
+        model_dir = source.root
+    tp, pp, mesh = _replicated(model_dir, tp, pp, mesh, rules, replicas,
+                               source if isinstance(source, LoadedModel) else None)
     opts = load_options(tp=tp, pp=pp, expert_parallel=expert_parallel, pp_layers=pp_layers, mesh=mesh,
                         device=device, backend=backend, **options)
     own_ray = ensure_ray()

@@ -21,15 +21,16 @@ from ..core.planner import with_replicas
 from ..core.plans import Plan, check_same_layout
 from ..core.rules import RulesLike
 from ..core.schedule import NodeRead
-from ..errors import ConfigurationError, PeerFailedError, RankFailedError, first_line
+from ..errors import ConfigurationError, PeerFailedError, RankFailedError, StaleHolderError, first_line
 from ..io.backends import check_backend
 from ..io.nodes import node_reads
 from ..io.stats import ReadStats
 from ..planning import make_plan
-from ..storage import storage_for
+from ..storage import identity, storage_for
 from .actor import RankLoader
 from .bundles import check_placeable, rank_bundles, stage_strategy
 from .group import Deadline, RankGroup, cause
+from .holder import HeldModel
 
 log = logging.getLogger("raylazy")
 
@@ -92,6 +93,9 @@ class Load:
             if source is None:
                 with self._timed("read"):
                     plan, read = self._read(plan)
+            elif isinstance(source, HeldModel):
+                with self._timed("take"):
+                    read = self._take(plan, source)
             with self._timed("copy"):
                 stats = self._copy(plan, read, source)
             for s in stats:  # every rank's reader read (or its source read) the plan's storage
@@ -112,10 +116,12 @@ class Load:
 
     def _plan(self, model_dir, rules: RulesLike | None, source) -> Plan:
         """The plan, from headers, checked for the backend and a reload's layout (before any byte is written)."""
-        opts = self.options
-        plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None
+        opts, planning = self.options, dict(self.options.plan)
+        if isinstance(source, HeldModel) and planning["max_gap"] is None:
+            planning["max_gap"] = 0  # copied out of memory: no gap is worth copying to save a request
+        plan = (with_replicas(source.plan, opts.plan.mesh.dp) if source is not None and not isinstance(source, HeldModel)
                 else make_plan(model_dir, rules=rules, storage_options=opts.reader.storage_options,
-                               request_timeout_s=opts.reader.request_timeout_s, **dict(opts.plan)))
+                               request_timeout_s=opts.reader.request_timeout_s, **planning))
         check_backend(opts.reader.backend, plan.ranks)
         if self.held is not None:
             check_same_layout(self.held, plan)
@@ -189,12 +195,22 @@ class Load:
                     break
             return self.group.gather(calls, self.deadline, self.what)
 
+    def _take(self, plan: Plan, held: HeldModel) -> list[ReadStats]:
+        """Every rank copies its shards out of the holder on its node (`RankMixin.take`), the checkpoint checked to be
+        the one held first (a StaleHolderError, before any rank starts, where it changed); ranks whose take fails
+        (the holder died or was released) read from storage instead. Returns every rank's ReadStats."""
+        now = identity(plan.files)
+        if now != held.identity:
+            raise StaleHolderError(f"{held.root}: its holders keep it as it was when held (identity {held.identity}), "
+                                   f"but it is {now} on storage now: hold it again (raylazy.hold) or load from storage")
+        refs = {r: a.take.remote(held.root, now, plan.ranks[r], self.options.reader, self.deadline.left(),
+                                 self.held is not None) for r, a in enumerate(self.group.actors)}
+        return self._settled(plan, refs, {}, lambda failed: sorted(failed), "a holder")
+
     def _copy(self, plan: Plan, read: list[ReadStats], source) -> list[ReadStats]:
         """The ranks after those that `read` from storage copy their shards from a live replica's rank with their
         coordinates (in `source`, a live LoadedModel, else in replica 0), into the shards they hold for a reload;
         those whose copy fails read from storage instead. Returns every rank's ReadStats."""
-        import ray
-
         first = len(read)
         ranks = range(first, plan.mesh.size)
         if not ranks:
@@ -208,28 +224,35 @@ class Load:
                                      {"cpu": "object_store", "cuda": "nccl"}, "peer_transport", PEER_TRANSPORTS)
         refs = {r: self.group.actors[r].receive.remote(feeding.actors[s], plan.ranks[r], self.options.reader, transport,
                                                        self.held is not None) for r, s in zip(ranks, feeds)}
+        # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
+        return self._settled(plan, refs, dict(enumerate(read)), lambda failed: sorted(
+            set(failed) | ({feeds[r - first] for r in failed} if source is None else set())), "a live replica")
+
+    def _settled(self, plan: Plan, refs: dict, stats: dict, again, source: str) -> list[ReadStats]:
+        """Every rank's ReadStats (`stats`, and those of the copies `refs` from `source`), once the copies are done
+        within the deadline: the ranks `again(failed)` says read from storage instead where copies failed."""
+        import ray
+
         _, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.deadline.left())
         if late:
-            raise RankFailedError({r: self.deadline.missed("copying shards from a live replica")
+            raise RankFailedError({r: self.deadline.missed(f"copying shards from {source}")
                                    for r, ref in refs.items() if ref in late}, self.what)
-        stats, failed = dict(enumerate(read)), {}
+        failed = {}
         for r, ref in refs.items():
             try:
                 stats[r] = ray.get(ref)
             except Exception as e:  # noqa: BLE001  (a failed copy: read from storage instead)
                 failed[r] = cause(e)
         if failed:
-            # in this load, a source that died lost its shards too (a restarted actor holds none): it reads again
-            again = sorted(set(failed) | ({feeds[r - first] for r in failed} if source is None else set()))
-            stats.update(self._read_instead(plan, again, failed))
+            stats.update(self._read_instead(plan, again(failed), failed, source))
         return [stats[r] for r in range(plan.mesh.size)]
 
-    def _read_instead(self, plan: Plan, ranks: list[int], failed: dict) -> dict:
-        """Ranks whose copy from a live replica failed read their shards from storage, each alone; when that fails
+    def _read_instead(self, plan: Plan, ranks: list[int], failed: dict, source: str) -> dict:
+        """Ranks whose copy from `source` failed read their shards from storage, each alone; when that fails
         too (the checkpoint is gone), one PeerFailedError naming both causes. Returns rank -> ReadStats."""
         first = next(iter(failed.values()))
-        log.warning("raylazy: rank(s) %s could not copy their shards from a live replica (%s); reading rank(s) %s "
-                    "from storage (%s) instead", ",".join(map(str, failed)), first, ",".join(map(str, ranks)),
+        log.warning("raylazy: rank(s) %s could not copy their shards from %s (%s); reading rank(s) %s "
+                    "from storage (%s) instead", ",".join(map(str, failed)), source, first, ",".join(map(str, ranks)),
                     plan.root)
         try:  # without a NodeRead each rank reads alone (`read_rank`: node backends read ranged)
             reader = self._reader(plan)
@@ -238,10 +261,10 @@ class Load:
         except RankFailedError as e:
             cause = next(iter(e.failures.values()))
             raise PeerFailedError(
-                f"rank(s) {', '.join(map(str, failed))} could not copy their shards from a live replica "
+                f"rank(s) {', '.join(map(str, failed))} could not copy their shards from {source} "
                 f"({type(first).__name__}: {first}), and reading them from storage ({plan.root}) failed too "
                 f"({type(cause).__name__}: {first_line(cause)}): load "
-                "again from another live replica, or from storage once the checkpoint is reachable") from e
+                f"again from another live replica or holder, or from storage once the checkpoint is reachable") from e
         return dict(zip(ranks, stats))
 
 

@@ -206,10 +206,11 @@ class ServingOptions(BaseModel):
     row gaps read through (`max_gap`, as for `raylazy.plan`: None, 0 on local files and the storage's cost model
     deciding each strided region on object storage), the batches (about `batch_bytes` of regions each besides
     those read in place; `batches_ahead` read beyond the ones being used: host memory about (batches_ahead + 2)
-    x batch_bytes), `replay` (False: a recorded consumer is run a second time, never replayed) and `warm_copies`
+    x batch_bytes), `replay` (False: a recorded consumer is run a second time, never replayed), `warm_copies`
     (True: where the backend copies out of the files' mappings, "auto" or "cooperative", and the files are in the
     page cache, nothing is recorded: the consumer's one run copies each region out of the mapping as it asks;
-    False: always record, read and replay)."""
+    False: always record, read and replay) and `holder` (a holder's bytes, copied out of the object store as they
+    are asked, instead of storage)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -219,6 +220,11 @@ class ServingOptions(BaseModel):
     batches_ahead: int = Field(1, ge=0, le=64)
     replay: bool = True
     warm_copies: bool = True
+    #: Take the checkpoint's bytes from a holder in Ray (`raylazy.hold`) where one holds it as it is now: "auto"
+    #: (where this process is in a Ray cluster already, or RAY_ADDRESS names one), "off" (never: no Ray imported).
+    holder: Literal["auto", "off"] = "auto"
+    #: Seconds the way to a holder may take (connecting to Ray, finding it, its chunks mapped) before storage is read.
+    holder_timeout_s: float = Field(10.0, gt=0)
 
 
 def serving_options(options: Mapping | None) -> ServingOptions:

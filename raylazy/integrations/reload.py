@@ -31,6 +31,7 @@ from ..io.stats import Meter
 from .lazy import lazy_weights
 from .recording import Served
 from .report import summary
+from .runs import where
 
 #: The model attribute that keeps what a reload needs of the first load.
 KEPT = "raylazy_kept"
@@ -104,13 +105,14 @@ class _Run(Served):
             self.fail(e)
 
 
-def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint, group: NodeGroup | None, logger):
+def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint, group: NodeGroup | None, logger,
+                       take=lambda ckpt: None):
     """The weights vLLM's reload asks of the load format (`get_all_weights`): every check runs now, before vLLM
     touches the model, and every worker learns whether another's failed and whether all found the checkpoint in
     the page cache: then each copies at once (`AtOnce`), else all read through a `Serving` (one way for the
     engine: no worker waits in the node's gathering for another still copying while vLLM processes its layers);
     the bytes are read as the iterator is used. `checkpoint(model_config, options)` opens the checkpoint's
-    headers."""
+    headers; `take(checkpoint)`, a holder's bytes of it (`raylazy.integrations.held`)."""
     kept: Kept | None = getattr(model, KEPT, None)
     if kept is None:
         raise ReloadError(f"reloading from {_path(model_config)} with load_format='raylazy': this engine's weights were "
@@ -125,7 +127,7 @@ def weights_for_reload(model: torch.nn.Module, model_config, options, checkpoint
                            f"the engine keeps the weights of {_path(model_config)}")
 
     reads, at_once = opened(lambda: checkpoint(model_config, options), options, group,
-                            lambda reads: reads.copies_at_once(), failure)
+                            lambda reads: reads.copies_at_once(), failure, take)
     takes, afresh = kept.regions(reads.ckpt)
     serving = AtOnce(reads) if all(at_once) else Serving(reads, takes, {}, group, kept.device)
     return _serve(model, model_config, kept, reads, serving, takes, afresh, meter, group, logger)
@@ -141,7 +143,7 @@ def _serve(model, model_config, kept: Kept, reads, serving, takes, afresh, meter
         yield from lazy_weights(ckpt, run)
         run.drain()
     seconds, rchar = meter.elapsed()
-    mode, why = (("reload-at-once", "the checkpoint in the page cache") if isinstance(serving, AtOnce) else
+    mode, why = (("reload-at-once", where(reads)) if isinstance(serving, AtOnce) else
                  ("reload-recorded", f"recorded afresh: {afresh}") if afresh else ("reload-reused", ""))
     logger.info(summary(group.rank if group else 0, reads.stats, ckpt.nbytes, kept.param_bytes, mode, why, rchar,
                         seconds))

@@ -23,6 +23,8 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from . import forks
+
 #: The load format's name.
 LOAD_FORMAT = "raylazy"
 
@@ -33,6 +35,7 @@ def register() -> None:
 
     register_model_loader(LOAD_FORMAT)(RaylazyModelLoader)
     _accept_object_storage()
+    forks.watch()
 
 
 def _accept_object_storage() -> None:

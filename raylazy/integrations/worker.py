@@ -19,6 +19,7 @@ from ..io.nodes import NodeGroup, ProcessGroupNode
 from ..io.regions import opened
 from ..io.stats import Meter
 from ..storage import open_checkpoint
+from .held import taker
 from .reload import keep, weights_for_reload
 from .report import summary
 from .runs import at_once, recorded
@@ -32,7 +33,8 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Ser
     meter, group, device = Meter(), _workers(), next(model.parameters()).device
     reads, _ = opened(lambda: checkpoint(model_config, options), options, group, lambda reads: None,
                       lambda worker, why, own: own or PeerFailedError(
-                          f"worker {worker} could not open the checkpoint ({why}): no weight was written; fix its cause"))
+                          f"worker {worker} could not open the checkpoint ({why}): no weight was written; fix its cause"),
+                      taker(options, logger))
     with reads:
         if reads.copies_at_once():
             loaded, mode, why, takes = at_once(model.load_weights, reads, group)
@@ -50,7 +52,7 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Ser
 def reload_weights(model: torch.nn.Module, model_config: ModelConfig, options: ServingOptions):
     """vLLM's in-place reload (`reload_weights`): this worker's regions of the checkpoint `model_config` now names,
     as lazy weights served synchronously (`raylazy.integrations.reload`)."""
-    return weights_for_reload(model, model_config, options, checkpoint, _workers(), logger)
+    return weights_for_reload(model, model_config, options, checkpoint, _workers(), logger, taker(options, logger))
 
 
 def checkpoint(model_config: ModelConfig, options: ServingOptions) -> Checkpoint:

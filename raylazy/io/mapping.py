@@ -91,11 +91,12 @@ def unmap_later(maps: dict) -> None:
         threading.Thread(target=held.clear, name="raylazy-unmap").start()
 
 
-def mapped_box(mapping, region: Region):
-    """The region's box (`raylazy.core.boxes.Region`) as a view of its file's mapping (`mapped`), in its dtype and
-    shape: nothing is read until its bytes are used. Only for a region `box_mappable` says a view shows."""
+def mapped_box(mapping, region: Region, base: int = 0):
+    """The region's box (`raylazy.core.boxes.Region`) as a view of its file's mapping (`mapped`; or of a part of the
+    file from byte `base` on), in its dtype and shape: nothing is read until its bytes are used. Only for a region
+    `box_mappable` says a view shows."""
     t = region.tensor
-    full = mapping[t.start : t.end].view(torch_dtype(t.dtype)).view(t.shape)
+    full = mapping[t.start - base : t.end - base].view(torch_dtype(t.dtype)).view(t.shape)
     return full[tuple(slice(a, a + n) for a, n in zip(region.starts, region.sizes))]
 
 

@@ -1,8 +1,9 @@
 """Regions of one checkpoint (`raylazy.core.boxes.Region`: a box of a tensor) read with raylazy's readers:
 `RegionReader` holds the files open for a load, checked once, reads regions alone or as one process's part of a
 node's read (each region one shard of a rank plan, its box read exactly; whole tensors for fastsafetensors, the
-regions cut from them), and shows a region as a view of its file's mapping (`raylazy.io.mapping`); `opened` opens
-it on every process of a load and gathers their outcomes before any collective."""
+regions cut from them), and shows a region as a view of its file's mapping (`raylazy.io.mapping`), or, for a
+checkpoint taken from a holder (`raylazy.io.held`), serves its files out of the holder's chunks and nothing from
+storage; `opened` opens it on every process of a load and gathers their outcomes before any collective."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..errors import first_line
 from ..storage import open_planned_files, storage_for
 from .backends import read_rank
 from .collective import Exchange
+from .held import Held
 from .mapping import cached_share, mapped, mapped_box, unmap_later
 from .nodes import NodeGroup, shares_page_cache
 from .stats import ServingStats
@@ -35,15 +37,16 @@ WARM_SHARE = 0.9
 
 class RegionReader:
     """Regions of one checkpoint read with raylazy's readers (a context manager: it holds the files open), every
-    read counted in `stats`."""
+    read counted in `stats`; `held`: the checkpoint's bytes taken from a holder, read instead of its files."""
 
-    def __init__(self, ckpt: Checkpoint, options: ServingOptions):
+    def __init__(self, ckpt: Checkpoint, options: ServingOptions, held: Held | None = None):
         storage = storage_for(ckpt.root, options.reader.storage_options)
         self.storage = storage.kind(ckpt.root)
         costs = storage.cost_model(ckpt.root, self.storage)
         self.ckpt, self.options = ckpt, options.model_copy(update={"reader": options.reader.shaped(costs)})
         self.files = tuple(map(FileRef.of, ckpt.files))
-        self.stats = ServingStats(storage=self.storage.name if self.storage else "")
+        self.held = held
+        self.stats = ServingStats(storage="holder" if held else self.storage.name if self.storage else "")
         self._sources: dict[int, object] = {}
         self._maps: dict[int, torch.Tensor] = {}  # file -> its mapping (`mapping`)
         self._open = ExitStack()  # the files opened, closed on leaving
@@ -58,10 +61,13 @@ class RegionReader:
         unmap_later(self._maps)  # the copies out of them are done: the load goes on while the kernel unmaps them
         self._open.close()
         self._sources.clear()
+        self.held = None  # the holder's objects are let go
 
     def sources(self, files) -> dict[int, object]:
         """The files, opened and checked against the checkpoint's headers the first time one is asked for."""
         with self._lock:
+            if self.held is not None:
+                return {f: self.held.source(f) for f in files}
             if new := [f for f in files if f not in self._sources]:
                 self._sources.update(self._open.enter_context(open_planned_files(
                     self._none, new, self.options.reader.storage_options)))
@@ -73,13 +79,16 @@ class RegionReader:
         return m if m is not None else self._maps.setdefault(file, mapped(self.sources([file])[file]))
 
     def mapped_box(self, region: Region) -> torch.Tensor:
-        """The region's box as a view of its file's mapping (only for a region `box_mappable` says a view shows)."""
-        return mapped_box(self.mapping(region.file), region)
+        """The region's box as a view of its file's mapping, or of the holder's chunk (only for a region
+        `box_mappable` says a view shows)."""
+        return self.held.box(region) if self.held is not None else mapped_box(self.mapping(region.file), region)
 
     def copies_at_once(self) -> bool:
-        """Whether a load copies out of the page cache at once (`AtOnce`): where the options allow it (`warm_copies`,
-        a backend that copies out of the files' mappings: `choice`) and the checkpoint is in the page cache (`warm`)."""
-        return self.options.warm_copies and self.choice(1, "cpu").backend == "cooperative" and self.warm()
+        """Whether a load copies out of memory at once (`AtOnce`): out of a holder's chunks, or where the options
+        allow it (`warm_copies`, a backend that copies out of the files' mappings: `choice`) out of the page cache,
+        where the checkpoint is there (`warm`)."""
+        return self.held is not None or (
+            self.options.warm_copies and self.choice(1, "cpu").backend == "cooperative" and self.warm())
 
     def warm(self) -> bool:
         """Whether the checkpoint is in the page cache: local files whose pages a mapping shares, each at least
@@ -143,19 +152,22 @@ class RegionReader:
         return {r: box.clone() if shared[r.tensor.name] > 1 else box for r, box in boxes.items()}
 
     def read_alone(self, region: Region) -> torch.Tensor:
-        """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow)."""
-        return self.read([region], backend=alone_backend(self.options.reader.backend))[region]
+        """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow; out of a
+        holder's chunks, copied by the ranged reader)."""
+        return self.read([region], backend="ranged" if self.held else alone_backend(self.options.reader.backend))[region]
 
 
 def opened(ckpt: Callable[[], Checkpoint], options: ServingOptions, group: NodeGroup | None, mine: Callable,
-           failure: Callable) -> tuple[RegionReader, list]:
-    """The checkpoint (`ckpt()`) opened on this worker, every file checked against its header, then every worker's
+           failure: Callable, take: Callable[[Checkpoint], Held | None] = lambda ckpt: None) -> tuple[RegionReader, list]:
+    """The checkpoint (`ckpt()`) opened on this worker, every file checked against its header (or its bytes taken
+    from a holder: `take(checkpoint)`, None where none serves it), then every worker's
     outcome gathered in one gathering before any other collective of the load, so that a worker that failed never
     leaves the others waiting in one: (the reader, every worker's `mine(reader)`). Where one failed, every worker
     raises `failure(worker, why, this worker's error or None)`, the reader closed."""
     reads = error = got = None
     try:
-        reads = RegionReader(ckpt(), options)
+        checkpoint = ckpt()
+        reads = RegionReader(checkpoint, options, take(checkpoint))
         reads.sources(range(len(reads.ckpt.files)))
         got = mine(reads)
     except Exception as e:  # noqa: BLE001  (raised below, on every worker)

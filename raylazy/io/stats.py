@@ -34,6 +34,8 @@ class ReadStats:
     #: Bytes of shards copied from the rank with the same coordinates in a live replica (`raylazy.cluster.loading`),
     #: instead of reading them from storage (`bytes_read` is then 0).
     bytes_from_replica: int = 0
+    #: Bytes of shards copied out of a holder of the checkpoint in Ray (`raylazy.hold`) instead of read from storage.
+    bytes_from_holder: int = 0
     #: Read requests to storage as planned, not measured: contiguous byte ranges (however the reader splits them
     #: into calls), the rank's stripes (cooperative stripe readers, exchange; 0 without stripe readers, where the
     #: kernel reads on page faults), or fastsafetensors' byte runs.
