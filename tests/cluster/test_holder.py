@@ -136,3 +136,18 @@ def test_a_second_node_copies_the_first_nodes_holder_not_storage(two_node_cluste
                               capture_output=True, text=True, timeout=120)
     assert released.returncode == 0, released.stderr
     wait_for(lambda: not raylazy.holders(), 30, "the holders to go")
+
+
+def test_chunks_taken_stay_the_files_bytes_after_their_holder_goes(ray_local, mounted):
+    from raylazy.cluster.holder import take
+    from raylazy.core.plans import FileRef
+    from raylazy.storage import identity, open_checkpoint
+
+    ckpt = open_checkpoint(mounted.mountpoint)
+    held = raylazy.hold(mounted.mountpoint)
+    chunks, _ = take(ckpt.root, identity(map(FileRef.of, ckpt.files)), 30)
+    held.release()
+    wait_for(lambda: not raylazy.holders(), 30, "the holder to go")
+    for f, header in enumerate(ckpt.files):  # a load that mapped them finishes whatever happens to the holder
+        with open(os.path.join(mounted.source, os.path.basename(header.path)), "rb") as src:
+            assert chunks.source(f).read(0, header.file_size) == src.read()
