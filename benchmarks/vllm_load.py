@@ -105,10 +105,18 @@ STEPS = "RAYLAZY_BENCH_LOAD_STEPS"
 
 
 def time_load_steps() -> None:
-    """Wrap every vLLM model loader's `load_weights` for one load: a line `LOADSTEP start end` (wall clock) each."""
+    """Wrap every vLLM model loader's `load_weights` for one load: a line `LOADSTEP start end` (wall clock) each, and
+    a line `LOADER made end`: from the start of the loader's construction (whatever a format does there, such as
+    importing its modules) to the end of the step."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    load_model = BaseModelLoader.load_model
+    load_model, made = BaseModelLoader.load_model, BaseModelLoader.__init__
+
+    def stamped(self, *args, **kwargs):
+        self.made_at = time.time()
+        made(self, *args, **kwargs)
+
+    BaseModelLoader.__init__ = stamped
 
     def timed(self, *args, **kwargs):
         inner = self.load_weights
@@ -119,7 +127,9 @@ def time_load_steps() -> None:
                 return inner(*a, **k)
             finally:  # one write, on a line of its own: the workers share the child's stdout
                 sys.stdout.flush()
-                os.write(sys.stdout.fileno(), f"\nLOADSTEP {start:.6f} {time.time():.6f}\n".encode())
+                end = time.time()
+                os.write(sys.stdout.fileno(), f"\nLOADSTEP {start:.6f} {end:.6f}\nLOADER {self.made_at:.6f} {end:.6f}\n"
+                         .encode())
 
         self.load_weights = load_weights
         try:
@@ -147,21 +157,25 @@ def prepare(files: list[str], cache: str):
             yield
 
 
-def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Device) -> dict:
-    files = checkpoint_files(model)
+def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Device | None,
+            files: list[str] | None = None, env: dict[str, str] | None = None, python: str = sys.executable) -> dict:
+    """One engine's run (`--one`, run by `python` with `env` added) with the cache state `cache` made of `files`
+    (default: the checkpoint's), and what `device` (None: none) read meanwhile."""
+    files = checkpoint_files(model) if files is None else files
     with prepare(files, cache):
-        disk0 = device.settled_reads() if device.name else None
+        disk0 = device.settled_reads() if device and device.name else None
         refaulted0 = refaulted_bytes()
         done = run_engine([os.path.abspath(__file__), "--one", spec, "--tp", str(tp), "--model", model,
-                           "--served", dtype], tp, {STEPS: "1"})
+                           "--served", dtype], tp, {STEPS: "1", **(env or {})}, python)
         disk = device.settled_reads() - disk0 if disk0 else None
         refaulted = refaulted_bytes() - refaulted0
-    row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype)}
+    row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype) if os.path.isdir(model) else dtype}
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if done.returncode or result is None:
         error = [line for line in done.stdout.splitlines() if "Error" in line] or done.stdout.splitlines()
         return {**row, "error": (error[-1] if error else "")[-200:]}
     steps = [tuple(map(float, m)) for m in re.findall(r"^LOADSTEP ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
+    loaders = [tuple(map(float, m)) for m in re.findall(r"^LOADER ([\d.]+) ([\d.]+)$", done.stdout, re.M)]
     modes = [f["mode"] for f in map(fields, done.stdout.splitlines()) if f]  # how each raylazy worker loaded
     start, end = result.pop("start"), result.pop("end")
     spans = dict.fromkeys(("node_load_s", "before_load_s", "after_load_s"))
@@ -169,13 +183,15 @@ def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Devi
         first, last = min(a for a, _ in steps), max(b for _, b in steps)
         spans = {"node_load_s": last - first, "before_load_s": first - start, "after_load_s": end - last}
     return {**row, **result, **({"modes": modes} if modes else {}),
-            "load_s": max((b - a for a, b in steps), default=None), **spans,
+            "load_s": max((b - a for a, b in steps), default=None),
+            "loader_s": max((b - a for a, b in loaders), default=None), **spans,
             "disk_bytes": disk.bytes if disk else None, "mean_request": disk.mean_request if disk else None,
             "refaulted_bytes": refaulted}
 
 
-def run_engine(args: list[str], tp: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """This python run on `args` with `env` added, as the vLLM benchmarks run an engine: in the process that makes
+def run_engine(args: list[str], tp: int, env: dict[str, str] | None = None,
+               python: str = sys.executable) -> subprocess.CompletedProcess:
+    """`python` run on `args` with `env` added, as the vLLM benchmarks run an engine: in the process that makes
     it, 1 GiB of KV cache and each of its `tp` workers bound to a core of its own, unless the environment says
     otherwise; with a temporary directory of its own (TMPDIR), removed after: vLLM leaves its engines' ZeroMQ
     sockets and its workers' file stores there."""
@@ -185,8 +201,7 @@ def run_engine(args: list[str], tp: int, env: dict[str, str] | None = None) -> s
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
     with tempfile.TemporaryDirectory(prefix="raylazy-vllm-") as tmp:
         env["TMPDIR"] = tmp
-        return subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env)
+        return subprocess.run([python, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def spread(values, fmt=lambda v: f"{v:.3f}") -> str:
@@ -204,19 +219,21 @@ def uptime() -> str:
 
 def table(rows: list[dict]) -> list[str]:
     """Markdown rows: medians (min-max) per format, tp and cache state."""
-    out = ["| format | tp | cache | dtype | runs | ready s | load s | node load s | device read MB | refaulted MB "
-           "| mean request kB | processes read MB | worker max MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| format | tp | cache | dtype | runs | ready s | load s | loader s | node load s | device read MB "
+           "| refaulted MB | mean request kB | processes read MB | worker max MB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["tp"], r["cache"], r["dtype"], r["format"]) for r in rows))
     for key in keys:
         tp, cache, dtype, spec = key
         ok = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" not in r]
         failed = [r for r in rows if (r["tp"], r["cache"], r["dtype"], r["format"]) == key and "error" in r]
         if not ok:
-            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | | | |")
+            out.append(f"| {spec} | {tp} | {cache} | {dtype} | 0 | fails: `{failed[0]['error']}` | | | | | | | | |")
             continue
         s, mb, kb = (lambda v: f"{v:.2f}"), (lambda v: f"{v / 1e6:.0f}"), (lambda v: f"{v / 1e3:.0f}")
         out.append(f"| {spec} | {tp} | {cache} | {dtype} | {len(ok)} | {spread([r['ready_s'] for r in ok], s)} | "
-                   f"{spread([r['load_s'] for r in ok], s)} | {spread([r['node_load_s'] for r in ok], s)} | "
+                   f"{spread([r['load_s'] for r in ok], s)} | {spread([r.get('loader_s') for r in ok], s)} | "
+                   f"{spread([r['node_load_s'] for r in ok], s)} | "
                    f"{spread([r['disk_bytes'] for r in ok], mb)} | {spread([r['refaulted_bytes'] for r in ok], mb)} | "
                    f"{spread([r['mean_request'] for r in ok], kb)} | {spread([r['read_bytes'] for r in ok], mb)} | "
                    f"{spread([r['worker_max'] for r in ok], mb)} |")
@@ -225,7 +242,7 @@ def table(rows: list[dict]) -> list[str]:
 
 #: What `paired` sets side by side: the node's load step, and engine ready with its parts before and after the step
 #: (from `LLM(...)` to the first worker's start of it; from the last worker's end of it to the first token).
-PAIRED = {"node_load_s": "node load step", "ready_s": "ready", "before_load_s": "ready, before the step",
+PAIRED = {"node_load_s": "node load step", "loader_s": "loader made to the step's end", "ready_s": "ready", "before_load_s": "ready, before the step",
           "after_load_s": "ready, after the step"}
 
 

@@ -23,7 +23,6 @@ from ..core.plans import FileRef, RankPlan, Read, TensorShard, format_bytes
 from ..errors import ConfigurationError, HolderFullError, HolderGoneError, RaylazyError, StaleHolderError, first_line
 from ..io.held import Held, as_tensor, chunk_spans
 from ..storage import identity, open_checkpoint, open_planned_files, storage_for
-from .receive import batches
 
 log = logging.getLogger("raylazy")
 
@@ -31,6 +30,8 @@ log = logging.getLogger("raylazy")
 NAMESPACE = "raylazy"
 #: Chunks a holder filled from another node's copies at once.
 _FETCH_WINDOW = 4
+#: Chunks a holder filled from storage reads (and puts) at once.
+_READING = 3
 
 
 def checkpoint_key(root: str) -> str:
@@ -84,9 +85,10 @@ class Holder:
             threading.Thread(target=self._release_when_idle, name="raylazy-holder-idle", daemon=True).start()
 
     def fill(self, budget_bytes: int | None, reader: ReaderOptions) -> HolderInfo:
-        """Read every file of the checkpoint from storage once, chunk by chunk, into the object store (a batch of
-        `reader.staging_budget` bytes put while the next is read); HolderFullError before any read where they
-        exceed the budget (default: this node's object store)."""
+        """Read every file of the checkpoint from storage once into the object store: chunk after chunk, `_READING`
+        at once (each read into memory of its own, then put: the storage never waits for a put), each with the
+        ranged reader shaped by the storage's costs; HolderFullError before any read where they exceed the budget
+        (default: this node's object store)."""
         import ray
 
         from ..io.backends import read_rank
@@ -101,17 +103,13 @@ class Holder:
             for f, h in enumerate(ckpt.files) for a, b in chunk_spans(h)))
         storage = storage_for(self.root, self.storage_options)
         reader = reader.model_copy(update={"backend": "ranged"}).shaped(storage.cost_model(self.root))
-        refs: list = []
-        with ThreadPoolExecutor(1, thread_name_prefix="raylazy-holder-put") as put, \
-                open_planned_files(plan, range(len(files)), self.storage_options) as sources:
-            pending = None
-            for batch in batches(plan, reader.staging_budget):
-                got, _ = read_rank(plan.model_copy(update={"tensors": tuple(batch)}), "cpu", options=reader,
-                                   sources=sources)
-                if pending is not None:
-                    refs += pending.result()
-                pending = put.submit(lambda g=got: [ray.put(t.numpy()) for t in g.values()])
-            refs += pending.result() if pending is not None else []
+        def read_and_put(chunk: TensorShard) -> Any:  # a chunk read into memory of its own, then put
+            got, _ = read_rank(plan.model_copy(update={"tensors": (chunk,)}), "cpu", options=reader, sources=sources)
+            return ray.put(got[chunk.name].numpy())
+
+        with open_planned_files(plan, range(len(files)), self.storage_options) as sources, \
+                ThreadPoolExecutor(_READING, thread_name_prefix="raylazy-holder-fill") as pool:
+            refs = list(pool.map(read_and_put, plan.tensors))
         it = iter(refs)
         self._filled(Chunks(identity(files), [f.uri for f in files], [f.size for f in files],
                             [[(a, next(it)) for a, _ in chunk_spans(h)] for h in ckpt.files]), "storage", t0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,14 +21,39 @@ from ..io.held import Held
 from ..storage import identity
 from . import forks
 
+#: The connection to Ray the loader's construction started (`connect_soon`), waited for before a holder is asked.
+_connecting: threading.Thread | None = None
+
+
+def connect_soon(options: ServingOptions) -> None:
+    """Where a holder may serve this worker, start connecting to Ray (importing it takes a few tenths of a second)
+    on a thread of its own: the loader's construction calls it, so that it overlaps the model's. A failure there
+    is met again, and said, when the load asks for its holder."""
+    global _connecting
+    if _connecting is None and _may_hold(options) and not forks.forked_from_ray:
+        _connecting = threading.Thread(target=_connect, args=(options.holder_timeout_s,), daemon=True,
+                                       name="raylazy-ray-connect")
+        _connecting.start()
+
+
+def _connect(timeout_s: float) -> None:
+    try:
+        from ..cluster.holder import connect
+
+        connect(timeout_s)
+    except Exception:  # noqa: BLE001  (met again by `take`, which says it)
+        pass
+
 
 def taker(options: ServingOptions, logger) -> Callable[[Checkpoint], Held | None]:
     """`take(checkpoint)` for `raylazy.io.regions.opened`: the holder's bytes of it, else None (storage)."""
 
     def take(ckpt: Checkpoint) -> Held | None:
-        if options.holder == "off" or not (os.environ.get("RAY_ADDRESS") or _connected()):
+        if not _may_hold(options):
             return None
         t0 = time.perf_counter()
+        if _connecting is not None:
+            _connecting.join(options.holder_timeout_s)
         try:
             if forks.forked_from_ray:
                 raise RuntimeError("this worker was forked from a process connected to Ray, whose state it cannot "
@@ -47,6 +73,11 @@ def taker(options: ServingOptions, logger) -> Callable[[Checkpoint], Held | None
         return held
 
     return take
+
+
+def _may_hold(options: ServingOptions) -> bool:
+    """Whether a holder may serve this worker: the options allow one, and a Ray cluster is at hand."""
+    return options.holder != "off" and bool(os.environ.get("RAY_ADDRESS") or _connected())
 
 
 def _connected() -> bool:

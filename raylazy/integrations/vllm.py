@@ -83,6 +83,7 @@ class RaylazyModelLoader(BaseModelLoader):
 
         self.worker = worker
         self.options = serving_options(load_config.model_loader_extra_config)  # ConfigurationError naming a bad one
+        worker.connect_soon(self.options)  # to Ray, where a holder may serve: while vLLM makes the model
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.worker.checkpoint(model_config, self.options)

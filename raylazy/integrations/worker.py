@@ -19,12 +19,14 @@ from ..io.nodes import NodeGroup, ProcessGroupNode
 from ..io.regions import opened
 from ..io.stats import Meter
 from ..storage import open_checkpoint
-from .held import taker
+from .held import connect_soon, taker
 from .reload import keep, weights_for_reload
 from .report import summary
 from .runs import at_once, recorded
 
 logger = init_logger("vllm.raylazy")
+
+__all__ = ["checkpoint", "connect_soon", "load_weights", "reload_weights"]
 
 
 def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: ServingOptions):

@@ -17,7 +17,7 @@ from ..storage import Source
 from .mapping import mapped_box
 
 #: A chunk's usual largest size (a tensor larger than it is a chunk of its own).
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
 #: Chunks start at multiples of it: a view of a tensor in its chunk is aligned as it is in the file.
 _ALIGN = 64
 
