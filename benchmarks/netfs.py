@@ -384,6 +384,10 @@ class NetFS:
         with open(self.path(CONTROL.lstrip("/"), "stats"), "rb") as f:
             return json.loads(f.read())
 
+    def served(self, suffix: str = ".safetensors") -> int:
+        """Bytes of reads served so far (`stats`) of the files whose names end with `suffix`."""
+        return sum(f["bytes"] for name, f in self.stats()["files"].items() if name.endswith(suffix))
+
     def control(self, **change) -> None:
         """Change `latency_s` or `bandwidth_bps` while mounted; `reset=True` zeroes the counts; `fault={...}` makes
         every read once `after_bytes` (default 0) were served stall until the fault is changed (`stall=True`),

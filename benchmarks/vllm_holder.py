@@ -44,10 +44,6 @@ CASES = ("holder", "direct", "s3", "local-cold", "local-warm", "default-warm")
 PROFILE = "emulated-bucket"
 
 
-def served(fs) -> int:
-    return sum(f["bytes"] for name, f in fs.stats()["files"].items() if name.endswith(".safetensors"))
-
-
 def fills(model: str, pairs: int) -> list[str]:
     """The holder's fill against a raw read of the same storage, `pairs` alternating pairs on fresh mounts."""
     import raylazy
@@ -100,7 +96,7 @@ def main(argv=None) -> int:
         uri = s3.upload_dir(model, "bench", "llama")
         with PROFILES[PROFILE].mount(model) as fs:
             raylazy.hold(fs.mountpoint)
-            filled = served(fs)
+            filled = fs.served()
             local = [os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors")]
             ray_env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
             setup = {  # case -> (model, format, cache, the files the cache state is made of, env)
@@ -116,9 +112,9 @@ def main(argv=None) -> int:
                 for tp in args.tp:
                     for case in args.cases[:: 1 if rep % 2 == 0 else -1]:
                         where, spec, cache, files, env = setup[case]
-                        before = served(fs)
+                        before = fs.served()
                         r = measure(where, spec, tp, cache, dtype, None, files, env, args.python)
-                        r = {"run": rep, **r, "format": case, "cache": "-", "mount_bytes": served(fs) - before}
+                        r = {"run": rep, **r, "format": case, "cache": "-", "mount_bytes": fs.served() - before}
                         print(json.dumps(r), file=sys.stderr, flush=True)
                         rows.append(r)
     finally:

@@ -17,6 +17,14 @@ adds nodes for it and its ranks copy their shards from the live replica's ranks 
 timeline, the table and the PNG show both phases: node start, actor start, bytes from storage, bytes from
 peers, seconds.
 
+vLLM phase (with `--vllm-python`, the vLLM virtualenv's python: docs/vllm.md): the checkpoint is held in the
+cluster's object store (`raylazy.hold`: read from storage once), then `--engines` vLLM engines (the CPU build) start
+one after another on this machine, each joining the cluster (RAY_ADDRESS) and loading with `load_format="raylazy"`:
+each takes the checkpoint from the holder, reading only headers from storage (its workers' `rchar`). The timeline
+adds the holder's fill and each engine's start to its first token, with its load step, the tensor bytes it read from
+storage (`storage B`: none, taken from the holder) and its workers' read calls meanwhile (`rchar`: the headers, and
+Ray's own socket reads, which /proc counts alike).
+
 When the cluster can never hold the request (tp > max_workers x gpus_per_node), the load fails with
 raylazy's `PlacementError` after `--timeout` seconds (its `placement_timeout_s`): the script prints
 it and exits with status 2. The cluster is torn down in every case: only the processes it started
@@ -41,6 +49,9 @@ import time
 
 import raylazy
 from raylazy.cluster.actor import RankLoader
+
+#: This checkout, on the vLLM engines' PYTHONPATH (their virtualenv need not have raylazy installed from it).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------- the fake autoscaling cluster
 
@@ -269,6 +280,9 @@ def run_experiment(args, model_dir: str, cluster: FakeCluster) -> dict:
                                    placement_timeout_s=args.timeout, actor_cls=TimedRankLoader)
             result["replica"] = {"start": t1 - t0, "load_seconds": time.time() - t1, "ranks": _rank_rows(replica, t0),
                                  "summary": replica.summary()}
+        if args.vllm_python:
+            result["vllm"] = vllm_phase(args, model_dir, cluster, t0)
+            result["error"] = result["vllm"].get("error")
     except RaylazyError as e:  # PlacementError when the cluster cannot hold tp GPUs within --timeout
         result["load_seconds"] = result.get("load_seconds", time.time() - t0)
         result["error"] = f"{type(e).__name__}: {e}"
@@ -285,6 +299,52 @@ def run_experiment(args, model_dir: str, cluster: FakeCluster) -> dict:
     for r in result["ranks"] + (result["replica"] or {}).get("ranks", []):
         r["node_added"] = next((n["seen_at"] for n in result["nodes"] if n["node_id"] == r["node_id"]), None)
     return result
+
+
+#: One vLLM engine, run by the vLLM virtualenv's python: its start (before vLLM is imported) and its first token.
+ENGINE = r"""
+import json, sys, time
+t0 = time.time()
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], load_format="raylazy", dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+          max_model_len=128, max_num_seqs=1)
+llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+print("ENGINE " + json.dumps({"start": t0, "ready": time.time()}), flush=True)
+llm.llm_engine.engine_core.shutdown()
+"""
+
+
+def vllm_phase(args, model_dir: str, cluster: FakeCluster, t0: float) -> dict:
+    """The checkpoint held, then `args.engines` vLLM engines one after another, each taking it from the holder:
+    when each started and was ready (seconds from t0), how its worker loaded and what it read from storage; an
+    engine that fails ends the phase (`error`)."""
+    import ray
+
+    from raylazy.integrations.report import fields
+
+    start = time.time()
+    held = raylazy.hold(model_dir)
+    out = {"hold": {"start": start - t0, "end": time.time() - t0, "fill_s": max(i.seconds for i in held.infos()),
+                    "bytes": max(i.nbytes for i in held.infos()), "nodes": len(held.actors)}, "engines": []}
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=REPO,
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    try:
+        for i in range(args.engines):
+            done = subprocess.run([args.vllm_python, "-c", ENGINE, model_dir], env=env, capture_output=True,
+                                  text=True, timeout=600)
+            times = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("ENGINE ")), None)
+            lines = [f for f in map(fields, (done.stdout + done.stderr).splitlines()) if f]
+            if times is None or not lines:  # the engine's own error, its last lines
+                out["error"] = f"vLLM engine {i + 1} failed: {(done.stdout + done.stderr)[-2000:]}"
+                break
+            out["engines"].append({"engine": i + 1, "start": times["start"] - t0, "ready": times["ready"] - t0,
+                                   "storage": lines[0]["storage"], "mode": lines[0]["mode"],
+                                   "step_s": max(f["seconds"] for f in lines),
+                                   "planned": sum(f["planned_bytes_read"] for f in lines),
+                                   "rchar": sum(f["rchar"] or 0 for f in lines)})
+    finally:
+        held.release()
+    return out
 
 
 def report(result: dict) -> str:
@@ -311,7 +371,19 @@ def report(result: dict) -> str:
                          f"{t(r['ready'])} {t(r['read_start']):>9} {t(r['read_end'])} {r['read_seconds']:7.3f} "
                          f"{r['bytes_read']:>10} {r['bytes_from_replica']:>10}")
         lines.append(f"total load time {seconds:.2f} s")
-    if result["error"]:
+    if result.get("vllm"):
+        v = result["vllm"]
+        lines.append(f"vLLM engines: the checkpoint held on {v['hold']['nodes']} node(s) from {t(v['hold']['start'])} "
+                     f"to {t(v['hold']['end'])} ({v['hold']['bytes']} bytes read from storage in "
+                     f"{v['hold']['fill_s']:.2f} s), then one engine after another:")
+        lines.append(f"{'engine':>6} {'started':>8} {'ready':>8} {'step s':>7} {'from':>8} {'storage B':>10} "
+                     f"{'rchar':>10}")
+        for e in v["engines"]:
+            lines.append(f"{e['engine']:>6} {t(e['start'])} {t(e['ready'])} {e['step_s']:7.3f} {e['storage']:>8} "
+                         f"{e['planned']:>10} {e['rchar']:>10}")
+    if result.get("vllm", {}).get("error"):
+        lines.append(result["vllm"]["error"])
+    elif result["error"]:
         lines.append(f"load failed after {result['load_seconds']:.1f} s: {result['error']}")
     return "\n".join(lines)
 
@@ -323,11 +395,15 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     second = (result["replica"] or {}).get("ranks", [])
-    end = max([result["load_seconds"]] + [r["read_end"] for r in result["ranks"] + second])
+    engines = (result.get("vllm") or {}).get("engines", [])
+    end = max([result["load_seconds"]] + [r["read_end"] for r in result["ranks"] + second] +
+              [e["ready"] for e in engines])
     workers = [n for n in result["nodes"] if not n["head"]]
     lanes = [(f"node …{n['node_id'][-5:]}", n) for n in workers]
     lanes += [(f"rank {r['rank']} (node …{r['node_id'][-5:]})", r) for r in result["ranks"]]
     lanes += [(f"replica 2 rank {r['rank']} (node …{r['node_id'][-5:]})", {**r, "peer": True}) for r in second]
+    if engines:
+        lanes += [("holder", result["vllm"]["hold"])] + [(f"vLLM engine {e['engine']}", e) for e in engines]
     labelled = set()
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.6))
     for y, (_, item) in enumerate(lanes):
@@ -341,6 +417,17 @@ def plot(result: dict, path: str) -> None:
                 labelled.add(label)
             ax.text(item["read_end"] + end / 200, y, f"{mb:.1f} MB {'from peers' if peer else 'from storage'}",
                     va="center", fontsize="x-small")
+        elif "engine" in item:
+            ax.broken_barh([(item["start"], item["ready"] - item["start"])], (y - 0.3, 0.6), color="tab:cyan",
+                           label=None if "engine" in labelled else "vLLM engine: start to first token")
+            labelled.add("engine")
+            ax.text(item["ready"] + end / 200, y, f"{item['planned'] / 1e6:.1f} MB from storage, step "
+                    f"{item['step_s']:.2f} s from the {item['storage']}", va="center", fontsize="x-small")
+        elif "fill_s" in item:
+            ax.broken_barh([(item["start"], item["end"] - item["start"])], (y - 0.3, 0.6), color="tab:olive",
+                           label="raylazy.hold: the checkpoint read once")
+            ax.text(item["end"] + end / 200, y, f"{item['bytes'] / 1e6:.1f} MB from storage", va="center",
+                    fontsize="x-small")
         else:
             ax.broken_barh([(max(item["seen_at"], 0), end - max(item["seen_at"], 0))], (y - 0.15, 0.3),
                            color="tab:blue", label="worker node up" if y == 0 else None)
@@ -369,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-workers", type=int, default=2, help="most worker nodes the autoscaler may add (default 2)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds to wait for the placement (raylazy's placement_timeout_s; default 300)")
+    ap.add_argument("--vllm-python", help="the vLLM virtualenv's python: after the loads, hold the checkpoint and "
+                    "start --engines vLLM engines that take it from the holder")
+    ap.add_argument("--engines", type=int, default=3, help="vLLM engines of the vLLM phase (default 3)")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "raylazy-autoscaling"),
                     help="directory for timeline.json and timeline.png (default: raylazy-autoscaling in the temp dir)")
     args = ap.parse_args(argv)

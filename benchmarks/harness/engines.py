@@ -187,8 +187,8 @@ def run(spec: dict, prompts: list[list[int]], max_tokens: int, ready: str | None
 
 def plugins() -> dict:
     """What vLLM's own plugin loading makes of load_format="raylazy" in a process that has not imported raylazy:
-    the raylazy modules it imported, the loader's class and the raylazy modules imported once one is made, and
-    what making it with each bad option raised."""
+    the raylazy modules it imported, the loader's class and the raylazy modules imported once one is made (and
+    whether Ray was), and what making it with each bad option raised."""
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
@@ -198,6 +198,7 @@ def plugins() -> dict:
     config = LoadConfig(load_format="raylazy", model_loader_extra_config={"threads": 2})
     out["loader"] = type(get_model_loader(config)).__name__
     out["a loader imported"] = sorted(m for m in sys.modules if m.startswith("raylazy"))
+    out["ray imported"] = "ray" in sys.modules  # no Ray cluster at hand (RAY_ADDRESS): no holder looked for
     for extra in ({"threads": 0}, {"bogus": 1}, {"backend": "nvme"}, {"replay": "no"}):
         try:
             get_model_loader(LoadConfig(load_format="raylazy", model_loader_extra_config=extra))

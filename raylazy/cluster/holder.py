@@ -103,6 +103,7 @@ class Holder:
             for f, h in enumerate(ckpt.files) for a, b in chunk_spans(h)))
         storage = storage_for(self.root, self.storage_options)
         reader = reader.model_copy(update={"backend": "ranged"}).shaped(storage.cost_model(self.root))
+
         def read_and_put(chunk: TensorShard) -> Any:  # a chunk read into memory of its own, then put
             got, _ = read_rank(plan.model_copy(update={"tensors": (chunk,)}), "cpu", options=reader, sources=sources)
             return ray.put(got[chunk.name].numpy())

@@ -18,28 +18,10 @@ import raylazy
 from raylazy.cluster.holder import HeldModel, find
 from raylazy.errors import HolderFullError, StaleHolderError
 from tests.support import REPO
+from tests.support.checkpoints import file_bytes, header_bytes
 from tests.support.raytest import check_loaded, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def served(fs) -> int:
-    """Bytes of safetensors files the mount served so far."""
-    return sum(f["bytes"] for name, f in fs.stats()["files"].items() if name.endswith(".safetensors"))
-
-
-def headers(model_dir: str) -> int:
-    """Bytes of the safetensors files' headers (the 8-byte length and the JSON), as a header read asks for them."""
-    total = 0
-    for name in os.listdir(model_dir):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(model_dir, name), "rb") as f:
-                total += 8 + int.from_bytes(f.read(8), "little")
-    return total
-
-
-def file_bytes(model_dir: str) -> int:
-    return sum(os.path.getsize(os.path.join(model_dir, n)) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
 
 
 @pytest.fixture
@@ -54,9 +36,9 @@ def mounted(llama_dir, netfs, tmp_path):
 
 
 def test_loads_from_a_holder_read_storage_once_and_get_safetensors_bytes(ray_local, mounted):
-    path, size, head = mounted.mountpoint, file_bytes(mounted.source), headers(mounted.source)
+    path, size, head = mounted.mountpoint, file_bytes(mounted.source), header_bytes(mounted.source)
     held = raylazy.hold(path)
-    filled = served(mounted)
+    filled = mounted.served()
     # the data once; the headers: the driver's and the holder's discovery, and the holder's check before reading
     assert size <= filled <= size + 3 * head, (filled, size, head)
     assert [i.nbytes for i in held.infos()] == [size] and held.infos()[0].filled_from == "storage"
@@ -66,9 +48,9 @@ def test_loads_from_a_holder_read_storage_once_and_get_safetensors_bytes(ray_loc
             assert {s.backend for s in loaded.stats} == {"holder"}
             assert sum(s.bytes_from_holder for s in loaded.stats) == sum(s.bytes_needed for s in loaded.stats) > 0
             assert all(s.rchar == 0 for s in loaded.stats if s.rchar is not None)  # no rank read a byte
-    assert served(mounted) - filled == 3 * head  # each load's plan read the headers, nothing more
+    assert mounted.served() - filled == 3 * head  # each load's plan read the headers, nothing more
     again = raylazy.hold(path)  # held as it is: not read again
-    assert again.actors.keys() == held.actors.keys() and served(mounted) - filled == 4 * head
+    assert again.actors.keys() == held.actors.keys() and mounted.served() - filled == 4 * head
 
 
 def test_a_checkpoint_changed_since_it_was_held_is_never_served(ray_local, mounted):
@@ -80,19 +62,19 @@ def test_a_checkpoint_changed_since_it_was_held_is_never_served(ray_local, mount
         f.write(b"\x80\x3f")
     with pytest.raises(StaleHolderError, match="hold it again"):
         raylazy.load(source=held, tp=2)
-    before = served(mounted)
+    before = mounted.served()
     fresh = raylazy.hold(path)  # held afresh: read again, then served
-    assert fresh.identity != held.identity and served(mounted) - before >= file_bytes(mounted.source)
+    assert fresh.identity != held.identity and mounted.served() - before >= file_bytes(mounted.source)
     with raylazy.load(source=fresh, tp=2) as loaded:
         check_loaded(loaded, mounted.source)
         assert {s.backend for s in loaded.stats} == {"holder"}
 
 
 def test_a_holder_over_its_budget_is_refused_before_reading_and_leaves_nothing(ray_local, mounted):
-    before = served(mounted)
+    before = mounted.served()
     with pytest.raises(HolderFullError, match="budget"):
         raylazy.hold(mounted.mountpoint, budget_bytes=file_bytes(mounted.source) - 1)
-    assert served(mounted) - before <= 2 * headers(mounted.source)  # discovery only: no data
+    assert mounted.served() - before <= 2 * header_bytes(mounted.source)  # discovery only: no data
     wait_for(lambda: not [i for i in raylazy.holders() if i.root == mounted.mountpoint], 30, "no holder left")
 
 
@@ -101,10 +83,10 @@ def test_a_load_whose_holder_is_gone_reads_storage(ray_local, mounted, caplog):
     held = raylazy.hold(path)
     HeldModel(held.root, held.identity, dict(held.actors)).release()  # released elsewhere, not through `held`
     wait_for(lambda: not raylazy.holders(), 30, "the holder to go")
-    before = served(mounted)
+    before = mounted.served()
     with caplog.at_level("WARNING", logger="raylazy"), raylazy.load(source=held, tp=2) as loaded:
         check_loaded(loaded, mounted.source)
-        assert {s.backend for s in loaded.stats} != {"holder"} and served(mounted) - before >= loaded.plan.bytes_needed
+        assert {s.backend for s in loaded.stats} != {"holder"} and mounted.served() - before >= loaded.plan.bytes_needed
     assert "could not copy their shards from a holder" in caplog.text and "from storage" in caplog.text
 
 
@@ -123,7 +105,7 @@ def test_a_second_node_copies_the_first_nodes_holder_not_storage(two_node_cluste
     assert len(infos) == 2 and all(i.nbytes == size for i in infos.values())
     first = next(n for n, i in infos.items() if i.filled_from == "storage")
     assert [i.filled_from for n, i in infos.items() if n != first] == [first]
-    assert served(mounted) <= size + 3 * headers(mounted.source)
+    assert mounted.served() <= size + 3 * header_bytes(mounted.source)
     with raylazy.load(source=held, tp=4) as loaded:  # a logical GPU each: two per node
         check_loaded(loaded, mounted.source)
         assert len({r.node_id for r in loaded.ranks}) == 2 and {s.backend for s in loaded.stats} == {"holder"}

@@ -23,6 +23,7 @@ import urllib.request
 
 import pytest
 
+from tests.integrations.test_vllm import vllm_python  # noqa: F401  (a fixture)
 from tests.support import REPO
 
 pytestmark = pytest.mark.own_processes  # a Ray job, the notebook and the fake autoscaler, each on a Ray of its own
@@ -355,3 +356,28 @@ def test_autoscaling_reduced(tmp_path):
     assert never_tl["error"].startswith("PlacementError") and not never_tl["ranks"], never_tl
     assert timeout_s <= never_tl["load_seconds"] < timeout_s + 15, never_tl  # gave up at the timeout
     assert never_elapsed < timeout_s + 150, never_elapsed                  # cluster start + timeout + teardown
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_autoscaling_vllm_phase_takes_the_checkpoint_from_its_holder(tmp_path, vllm_python):  # noqa: F811
+    """With --vllm-python: after the load, the checkpoint is held on every node (read from storage once, its files'
+    bytes), then two vLLM engines start one after the other and each takes it from the holder: no tensor byte
+    planned from storage, the line of every worker saying `storage=holder`."""
+    from raylazy.synthetic import LlamaShape, write_llama_checkpoint
+
+    # head_dim 64: vLLM's CPU attention has no kernel for the tiny Llama's 16
+    model_dir = write_llama_checkpoint(str(tmp_path / "model"), LlamaShape(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384, num_hidden_layers=2,
+        vocab_size=256), num_files=2)
+    rc, stdout, stderr, tl, _ = _Experiment(tmp_path / "vllm", model_dir, "--tp", "1", "--gpus-per-node", "1",
+                                            "--max-workers", "1", "--timeout", "180", "--vllm-python", vllm_python,
+                                            "--engines", "2").finish(800)
+    assert rc == 0, stdout + stderr
+    hold, engines = tl["vllm"]["hold"], tl["vllm"]["engines"]
+    assert hold["bytes"] == sum(os.path.getsize(os.path.join(model_dir, n)) for n in os.listdir(model_dir)
+                                if n.endswith(".safetensors"))
+    assert [(e["storage"], e["planned"]) for e in engines] == [("holder", 0)] * 2, engines
+    assert hold["end"] <= engines[0]["start"] < engines[0]["ready"] <= engines[1]["start"] < engines[1]["ready"]
+    assert "vLLM engines: the checkpoint held on" in stdout and os.path.getsize(tmp_path / "vllm" / "timeline.png") > 1000

@@ -39,7 +39,7 @@ import torch
 from benchmarks.harness.vllm_engines import MAX_TOKENS, PROMPTS, VLLM_PINS, VLLM_UNINSTALL, start, venv_dir
 from raylazy.storage.objects import HEAD_BYTES
 from tests.support import REPO
-from tests.support.checkpoints import build_checkpoint
+from tests.support.checkpoints import build_checkpoint, file_bytes, header_bytes
 
 #: Set to 1 where this environment has no package index: the vLLM tests then skip instead of failing.
 NO_INDEX = "RAYLAZY_NO_PACKAGE_INDEX"
@@ -218,17 +218,12 @@ def _same_weights(checks: dict, name: str, ranks: int) -> None:
 def _metadata_bytes(model_dir: str) -> int:
     """Bytes of the checkpoint's index and config, and twice its files' headers (checked when planned and before
     reading): what a raylazy rank reads besides tensor data."""
-    total = sum(os.path.getsize(os.path.join(model_dir, n)) for n in ("config.json", "model.safetensors.index.json")
-                if os.path.exists(os.path.join(model_dir, n)))
-    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
-        with open(path, "rb") as f:
-            total += 2 * (8 + int.from_bytes(f.read(8), "little"))
-    return total
+    return 2 * header_bytes(model_dir) + sum(os.path.getsize(os.path.join(model_dir, n)) for n in (
+        "config.json", "model.safetensors.index.json") if os.path.exists(os.path.join(model_dir, n)))
 
 
 def _data_bytes(model_dir: str) -> int:
-    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors"))) - sum(
-        8 + int.from_bytes(open(p, "rb").read(8), "little") for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    return file_bytes(model_dir) - header_bytes(model_dir)
 
 
 def _check_bytes(result: dict, model_dir: str, check: str = "ranged") -> None:
@@ -399,7 +394,10 @@ def test_the_entry_point_registers_the_format_and_bad_options_are_named(engines)
     readers are imported where a loader is made, not in every vLLM process, and its quantization formats where a
     quantized checkpoint is opened."""
     out = dict(engines["plugins"])
-    assert out.pop("registering imported") == ["raylazy", "raylazy.integrations", "raylazy.integrations.vllm"]
+    # the plugin and its fork hook (raylazy.integrations.forks: the standard library only), no reader, no Ray
+    assert out.pop("registering imported") == ["raylazy", "raylazy.integrations", "raylazy.integrations.forks",
+                                               "raylazy.integrations.vllm"]
+    assert out.pop("ray imported") is False  # a holder is looked for only where a Ray cluster is at hand
     assert out.pop("loader") == "RaylazyModelLoader"
     made = out.pop("a loader imported")
     assert {"raylazy.integrations.worker", "raylazy.io.serving", "raylazy.io.ranged"} <= set(made), made

@@ -19,26 +19,9 @@ import torch
 from tests.integrations.test_vllm import vllm_python  # noqa: F401  (a fixture)
 from tests.integrations.test_vllm_reload import PROMPTS
 from tests.support import REPO
-from tests.support.checkpoints import build_checkpoint
+from tests.support.checkpoints import build_checkpoint, file_bytes, header_bytes
 
 pytestmark = [pytest.mark.own_processes, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-def _headers(model_dir: str) -> int:
-    total = 0
-    for name in os.listdir(model_dir):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(model_dir, name), "rb") as f:
-                total += 8 + int.from_bytes(f.read(8), "little")
-    return total
-
-
-def _size(model_dir: str) -> int:
-    return sum(os.path.getsize(os.path.join(model_dir, n)) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-
-
-def _served(fs) -> int:
-    return sum(f["bytes"] for name, f in fs.stats()["files"].items() if name.endswith(".safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +51,7 @@ def cluster(tmp_path_factory):
         env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",
                    VLLM_WORKER_MULTIPROC_METHOD="spawn", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-        yield {"mounts": mounts, "dirs": dirs, "env": env, "filled": [_served(fs) for fs in mounts]}
+        yield {"mounts": mounts, "dirs": dirs, "env": env, "filled": [fs.served() for fs in mounts]}
     finally:
         ray.shutdown()
         for fs in mounts:
@@ -112,8 +95,8 @@ def test_engines_take_the_checkpoint_from_its_holder_and_the_mount_serves_it_onc
         assert len(lines) == loads and all("storage=holder" in line for line in lines), run["log"]
     # each mount: the holder's read, then the engines' workers' headers (the first: 3 workers; the second: 2)
     for fs, filled, d, workers in zip(cluster["mounts"], cluster["filled"], cluster["dirs"], (3, 2)):
-        assert filled <= _size(d) + 3 * _headers(d)
-        assert _served(fs) - filled <= workers * _headers(d), (_served(fs) - filled, _headers(d))
+        assert filled <= file_bytes(d) + 3 * header_bytes(d)
+        assert fs.served() - filled <= workers * header_bytes(d), (fs.served() - filled, header_bytes(d))
 
 
 def test_an_engine_reads_storage_when_its_holder_is_gone_or_stale_and_says_why(held_runs, vllm_python, cluster):  # noqa: F811

@@ -185,6 +185,21 @@ def shard_files(model_dir: str | os.PathLike) -> list[str]:
     return sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
 
 
+def file_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes of the `*.safetensors` files in `model_dir`."""
+    return sum(os.path.getsize(os.path.join(model_dir, n)) for n in shard_files(model_dir))
+
+
+def header_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes of the `*.safetensors` files' headers in `model_dir` (each its 8-byte length and its JSON): what a header
+    read asks of the storage."""
+    total = 0
+    for name in shard_files(model_dir):
+        with open(os.path.join(model_dir, name), "rb") as f:
+            total += 8 + int.from_bytes(f.read(8), "little")
+    return total
+
+
 def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of every `*.safetensors` file in `model_dir`, read by safetensors itself."""
     out: dict[str, torch.Tensor] = {}
