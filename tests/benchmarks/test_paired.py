@@ -30,11 +30,11 @@ def test_no_difference_at_all_is_no_evidence():
 
 def test_each_measure_is_paired_within_its_repetition():
     # a slow spell in repetition 2 moves both formats: pairing leaves it out, a difference of medians would not
-    times = {"raylazy": [(1.0, 0.20, 9.0), (1.1, 0.21, 9.2), (3.0, 0.60, 20.0)],
-             "auto": [(0.9, 0.22, 9.1), (1.3, 0.20, 9.0), (2.5, 0.65, 19.0)]}
+    times = {"raylazy": [(1.0, 0.20, 0.31, 9.0), (1.1, 0.21, 0.30, 9.2), (3.0, 0.60, 0.90, 20.0)],
+             "auto": [(0.9, 0.22, 0.27, 9.1), (1.3, 0.20, 0.24, 9.0), (2.5, 0.65, 0.80, 19.0)]}
     rows = [{"run": run, "format": fmt, "tp": 2, "cache": "warm", "dtype": "bfloat16", "before_load_s": before,
-             "node_load_s": step, "after_load_s": after, "ready_s": before + step + after}
-            for fmt, reps in times.items() for run, (before, step, after) in enumerate(reps)]
+             "node_load_s": step, "loader_s": loader, "after_load_s": after, "ready_s": before + step + after}
+            for fmt, reps in times.items() for run, (before, step, loader, after) in enumerate(reps)]
     lines = paired(rows, "raylazy")
     assert len(lines) == len(PAIRED)
     for key, what in PAIRED.items():
