@@ -62,9 +62,11 @@ from raylazy.io.stats import proc_io  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
 #: The benchmark checkpoints (`--shape`), Llama-shaped: "default" 3 layers of hidden 2048 (0.53 GB in bf16, in 3
-#: files); "small" 9 layers of hidden 1024 in one file (0.41 GB), where raylazy's fixed cost per load weighs most.
+#: files); "small" 9 layers of hidden 1024 in one file (0.41 GB), where raylazy's fixed cost per load weighs most;
+#: "large" the default's layers as many as make 2 GB.
 SHAPES = {"default": ModelSpec(layers=3),
-          "small": ModelSpec(hidden=1024, intermediate=4096, heads=16, kv_heads=8, layers=9, shard_size="1GB")}
+          "small": ModelSpec(hidden=1024, intermediate=4096, heads=16, kv_heads=8, layers=9, shard_size="1GB"),
+          "large": ModelSpec()}
 
 
 def load_format(spec: str) -> tuple[str, dict]:

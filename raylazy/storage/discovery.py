@@ -8,8 +8,10 @@ safetensors file.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +39,9 @@ from .hub import resolve_model
 from .registry import open_source, storage_for
 from .verified import requested
 from .watch import watched
+
+#: Files whose headers `open_checkpoint` reads at once.
+_HEADER_READERS = 16
 
 
 def read_header(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FileHeader:
@@ -86,7 +91,7 @@ def open_checkpoint(model_dir: str | os.PathLike, storage_options: Mapping[str, 
         root = path
         names, weight_map = _discover(storage, root, listing)
     index = storage.join(root, INDEX_NAME)
-    headers = tuple(_read_shard(storage, storage.join(root, n)) for n in names)
+    headers = _read_shards(storage, [storage.join(root, n) for n in names])
     cross_check(root, index, names, headers, weight_map)
     return Checkpoint(root=root, files=headers, config=_read_config(storage, root, listing))
 
@@ -110,6 +115,17 @@ def _discover(storage: Storage, root: str, listing: Listing) -> tuple[list[str],
             f"{root}: no {INDEX_NAME}, no {SINGLE_NAME} and no *.safetensors files; point raylazy at a model directory"
         )
     return names, None
+
+
+def _read_shards(storage: Storage, paths: list[str]) -> tuple[FileHeader, ...]:
+    """Each file's header, read at once (`_HEADER_READERS` at a time): on network or object storage each read waits
+    for the storage, so N files cost its latency about once, not N times. Each read runs in the caller's context (a
+    watched load's requests stay its own); the first failing file, in order, raises."""
+    if len(paths) < 2:
+        return tuple(_read_shard(storage, p) for p in paths)
+    with ThreadPoolExecutor(min(len(paths), _HEADER_READERS), thread_name_prefix="raylazy-headers") as pool:
+        reads = [pool.submit(contextvars.copy_context().run, _read_shard, storage, p) for p in paths]
+        return tuple(r.result() for r in reads)
 
 
 def _read_shard(storage: Storage, path: str) -> FileHeader:
