@@ -61,7 +61,7 @@ from raylazy.integrations.report import fields  # noqa: E402
 from raylazy.io.stats import proc_io  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")
-#: The benchmark checkpoints (`--shape`), Llama-shaped: "default" 3 layers of hidden 2048 (0.53 GB in bf16, in 3
+#: The benchmark checkpoints (`--shape`), Llama-shaped: "default" 3 layers of hidden 2048 (0.53 GB in bf16, in 2
 #: files); "small" 9 layers of hidden 1024 in one file (0.41 GB), where raylazy's fixed cost per load weighs most;
 #: "large" the default's layers as many as make 2 GB.
 SHAPES = {"default": ModelSpec(layers=3),
