@@ -31,7 +31,6 @@ from ..io.stats import Meter
 from .lazy import lazy_weights
 from .recording import Served
 from .report import summary
-from .runs import where
 
 #: The model attribute that keeps what a reload needs of the first load.
 KEPT = "raylazy_kept"
@@ -138,12 +137,12 @@ def _path(model_config) -> str:
 
 
 def _serve(model, model_config, kept: Kept, reads, serving, takes, afresh, meter, group, logger):
-    ckpt, run, whence = reads.ckpt, _Run(serving, lambda e: _abandon(model, model_config, e)), where(reads)
+    ckpt, run = reads.ckpt, _Run(serving, lambda e: _abandon(model, model_config, e))
     with reads, serving:
         yield from lazy_weights(ckpt, run)
         run.drain()
     seconds, rchar = meter.elapsed()
-    mode, why = (("reload-at-once", whence) if isinstance(serving, AtOnce) else
+    mode, why = (("reload-at-once", reads.copied_from) if isinstance(serving, AtOnce) else
                  ("reload-recorded", f"recorded afresh: {afresh}") if afresh else ("reload-reused", ""))
     logger.info(summary(group.rank if group else 0, reads.stats, ckpt.nbytes, kept.param_bytes, mode, why, rchar,
                         seconds))

@@ -23,12 +23,7 @@ def at_once(consume: Callable, reads: RegionReader, group: NodeGroup | None):
     without it): (what it returned, mode, why, each region's takes)."""
     with AtOnce(reads, group) as serving:
         got = consume(lazy_weights(reads.ckpt, Served(serving)))
-    return got, "at-once", where(reads), dict(serving.taken)
-
-
-def where(reads: RegionReader) -> str:
-    """Where a load copying at once copies out of."""
-    return "out of its holder's objects" if reads.held is not None else "the checkpoint in the page cache"
+    return got, "at-once", reads.copied_from, dict(serving.taken)
 
 
 def recorded(consume: Callable, targets: Callable[[], Iterable[torch.Tensor]], reads: RegionReader,

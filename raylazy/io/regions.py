@@ -90,6 +90,11 @@ class RegionReader:
         return self.held is not None or (
             self.options.warm_copies and self.choice(1, "cpu").backend == "cooperative" and self.warm())
 
+    @property
+    def copied_from(self) -> str:
+        """Where a load copying at once copies out of (for its log line; still known once the reader is left)."""
+        return "out of its holder's objects" if self.stats.storage == "holder" else "the checkpoint in the page cache"
+
     def warm(self) -> bool:
         """Whether the checkpoint is in the page cache: local files whose pages a mapping shares, each at least
         `WARM_SHARE` there (`raylazy.io.mapping.cached_share`, a sample; the files are mapped to ask, and the
@@ -123,7 +128,9 @@ class RegionReader:
              plan: RankPlan | None = None, node_read: NodeRead | None = None,
              exchange: Exchange | None = None) -> dict[Region, torch.Tensor]:
         """Each region's box as a tensor on `device`: read alone with `backend`, or as this process's part (`plan`)
-        of a node read (`exchange`: the node's, open across batches)."""
+        of a node read (`exchange`: the node's, open across batches). A holder's chunks are copied by the ranged
+        reader, whatever the backend: they are memory, not files to open."""
+        backend = "ranged" if self.held is not None else backend
         if backend == "fastsafetensors":
             return self._read_whole(regions, device)
         options = self.options.reader.model_copy(update={"backend": backend})
@@ -152,9 +159,8 @@ class RegionReader:
         return {r: box.clone() if shared[r.tensor.name] > 1 else box for r, box in boxes.items()}
 
     def read_alone(self, region: Region) -> torch.Tensor:
-        """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow; out of a
-        holder's chunks, copied by the ranged reader)."""
-        return self.read([region], backend="ranged" if self.held else alone_backend(self.options.reader.backend))[region]
+        """One region read at once by this process alone, on the CPU (for an op raylazy cannot follow)."""
+        return self.read([region], backend=alone_backend(self.options.reader.backend))[region]
 
 
 def opened(ckpt: Callable[[], Checkpoint], options: ServingOptions, group: NodeGroup | None, mine: Callable,
