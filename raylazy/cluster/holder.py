@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.checkpoint import Checkpoint
 from ..core.mesh import Mesh
 from ..core.options import ReaderOptions
 from ..core.plans import FileRef, RankPlan, Read, TensorShard, format_bytes
@@ -74,18 +75,17 @@ class Holder:
     """The actor of one node's holder (made by `hold`: named, detached, on its node, 0 CPUs). `fill` reads storage,
     `fill_from` copies another holder; `chunks` serves loads; after `idle_s` without one, it releases itself."""
 
-    def __init__(self, root: str, storage_options: dict | None, request_timeout_s: float | None,
-                 idle_s: float | None):
-        self.root, self.storage_options, self.request_timeout_s, self.idle_s = (root, storage_options,
-                                                                                request_timeout_s, idle_s)
+    def __init__(self, root: str, storage_options: dict | None, idle_s: float | None):
+        self.root, self.storage_options, self.idle_s = root, storage_options, idle_s
         self.held = Chunks("", [], [], [])
         self.filled_from, self.seconds, self.used = "", 0.0, time.monotonic()
         self.filled = threading.Event()
         if idle_s is not None:
             threading.Thread(target=self._release_when_idle, name="raylazy-holder-idle", daemon=True).start()
 
-    def fill(self, budget_bytes: int | None, reader: ReaderOptions) -> HolderInfo:
-        """Read every file of the checkpoint from storage once into the object store: chunk after chunk, `_READING`
+    def fill(self, ckpt: Checkpoint, budget_bytes: int | None, reader: ReaderOptions) -> HolderInfo:
+        """Read every file of the checkpoint (`ckpt`: its headers, as the caller read them; each file checked against
+        them as it is opened) from storage once into the object store: chunk after chunk, `_READING`
         at once (each read into memory of its own, then put: the storage never waits for a put), each with the
         ranged reader shaped by the storage's costs; HolderFullError before any read where they exceed the budget
         (default: this node's object store)."""
@@ -94,7 +94,6 @@ class Holder:
         from ..io.backends import read_rank
 
         t0 = time.perf_counter()
-        ckpt = open_checkpoint(self.root, self.storage_options, self.request_timeout_s)
         files = tuple(map(FileRef.of, ckpt.files))
         self._check_budget(sum(f.size for f in files), budget_bytes)
         plan = RankPlan(rank=0, mesh=Mesh(), files=files, tensors=tuple(
@@ -116,9 +115,9 @@ class Holder:
                             [[(a, next(it)) for a, _ in chunk_spans(h)] for h in ckpt.files]), "storage", t0)
         return self.info()
 
-    def fill_from(self, other, identity: str, budget_bytes: int | None) -> HolderInfo:
-        """Copy another node's holder's chunks (Ray's object transfer, a few at once) into objects of this one:
-        no byte from storage."""
+    def fill_from(self, other, other_node: str, identity: str, budget_bytes: int | None) -> HolderInfo:
+        """Copy the chunks of another node's holder (`other`, on node `other_node`) through Ray's object transfer, a
+        few at once, into objects of this one: no byte from storage."""
         import ray
 
         t0 = time.perf_counter()
@@ -130,7 +129,7 @@ class Holder:
             window = flat[i : i + _FETCH_WINDOW]
             for (f, a, _), array in zip(window, ray.get([r for _, _, r in window])):
                 mine[f].append((a, ray.put(array)))
-        self._filled(Chunks(identity, theirs.uris, theirs.sizes, mine), ray.get(other.info.remote()).node_id, t0)
+        self._filled(Chunks(identity, theirs.uris, theirs.sizes, mine), other_node, t0)
         return self.info()
 
     def chunks(self, identity: str) -> Chunks:
@@ -236,9 +235,8 @@ def hold(model_dir: str, *, nodes: int | list[str] | None = None, budget_bytes: 
     from .bundles import ensure_ray
 
     options = validated(ReaderOptions, **reader)
-    request_timeout_s = options.request_timeout_s
     ensure_ray()
-    ckpt = open_checkpoint(model_dir, storage_options, request_timeout_s)
+    ckpt = open_checkpoint(model_dir, storage_options, options.request_timeout_s)
     root, ident = ckpt.root, identity(map(FileRef.of, ckpt.files))
     found = find(root)
     if found is not None and any(i.identity != ident for i in found.infos()):
@@ -253,14 +251,14 @@ def hold(model_dir: str, *, nodes: int | list[str] | None = None, budget_bytes: 
                 made[node] = ray.remote(Holder).options(
                     name=holder_name(root, node), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                     max_concurrency=8, max_restarts=0, scheduling_strategy=_on(node),
-                ).remote(root, storage_options, request_timeout_s, idle_s)
+                ).remote(root, storage_options, idle_s)
         if made and not held.actors:  # the first reads storage, the others copy it
             first = next(iter(made))
-            ray.get(made[first].fill.remote(budget_bytes, options), timeout=timeout_s)
+            ray.get(made[first].fill.remote(ckpt, budget_bytes, options), timeout=timeout_s)
             held.actors[first] = made[first]
-        source = next(iter(held.actors.values()), None)
-        ray.get([a.fill_from.remote(source, ident, budget_bytes) for n, a in made.items() if n not in held.actors],
-                timeout=timeout_s)
+        node, source = next(iter(held.actors.items()))
+        ray.get([a.fill_from.remote(source, node, ident, budget_bytes) for n, a in made.items()
+                 if n not in held.actors], timeout=timeout_s)
     except BaseException as e:  # noqa: BLE001  (whatever ends it, the holders it made go, and it is raised)
         HeldModel(root, ident, made).release()
         if isinstance(e, ray.exceptions.GetTimeoutError):
@@ -319,9 +317,42 @@ def take(root: str, ident: str, timeout_s: float) -> tuple[Held, str]:
     raise HolderGoneError(f"{root}: no holder of it served this load ({why})")
 
 
+def take_checkpoint(ckpt, timeout_s: float) -> tuple[Held, str]:
+    """`take` for a checkpoint whose headers this process read (a `Checkpoint`: its identity from them), this process
+    connected to Ray first (`connect`), all within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    connect(timeout_s)
+    return take(ckpt.root, identity(map(FileRef.of, ckpt.files)), max(deadline - time.monotonic(), 0.01))
+
+
+#: The connection `connect_soon` started, which `connect` waits for.
+_connecting: threading.Thread | None = None
+
+
+def connect_soon(timeout_s: float) -> None:
+    """Start `connect` on a thread of its own (importing Ray takes a few tenths of a second): a vLLM loader's
+    construction calls it, so that it overlaps vLLM's construction of the model. A failure there is met again by
+    the next `connect`."""
+    global _connecting
+    if _connecting is None:
+        _connecting = threading.Thread(target=_connect_quietly, args=(timeout_s,), daemon=True,
+                                       name="raylazy-ray-connect")
+        _connecting.start()
+
+
+def _connect_quietly(timeout_s: float) -> None:
+    try:
+        connect(timeout_s)
+    except Exception:  # noqa: BLE001  (met again by the next `connect`, whose caller says it)
+        pass
+
+
 def connect(timeout_s: float) -> None:
     """Connect this process to the Ray cluster RAY_ADDRESS names, unless it is connected: first a TCP connection
-    to its GCS, within `timeout_s` (a cluster that is gone fails here, not in Ray's own retries)."""
+    to its GCS, within `timeout_s` (a cluster that is gone fails here, not in Ray's own retries). Waits for the
+    connection `connect_soon` started, if any."""
+    if _connecting is not None and _connecting is not threading.current_thread():
+        _connecting.join(timeout_s)
     import ray
 
     if ray.is_initialized():

@@ -19,7 +19,12 @@ def watch() -> None:
         _watching = True
 
 
+def connected_to_ray() -> bool:
+    """Whether this process is connected to Ray (asked without importing it)."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
+
+
 def _forked() -> None:
     global forked_from_ray
-    ray = sys.modules.get("ray")
-    forked_from_ray = forked_from_ray or bool(ray is not None and ray.is_initialized())
+    forked_from_ray = forked_from_ray or connected_to_ray()

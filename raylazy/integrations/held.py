@@ -8,41 +8,23 @@ says why in one log line."""
 from __future__ import annotations
 
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable
 
 from ..core.checkpoint import Checkpoint
 from ..core.options import ServingOptions
-from ..core.plans import FileRef
 from ..errors import first_line
 from ..io.held import Held
-from ..storage import identity
 from . import forks
-
-#: The connection to Ray the loader's construction started (`connect_soon`), waited for before a holder is asked.
-_connecting: threading.Thread | None = None
 
 
 def connect_soon(options: ServingOptions) -> None:
-    """Where a holder may serve this worker, start connecting to Ray (importing it takes a few tenths of a second)
-    on a thread of its own: the loader's construction calls it, so that it overlaps the model's. A failure there
-    is met again, and said, when the load asks for its holder."""
-    global _connecting
-    if _connecting is None and _may_hold(options) and not forks.forked_from_ray:
-        _connecting = threading.Thread(target=_connect, args=(options.holder_timeout_s,), daemon=True,
-                                       name="raylazy-ray-connect")
-        _connecting.start()
+    """Where a holder may serve this worker, start connecting to Ray (`raylazy.cluster.holder.connect_soon`): the
+    loader's construction calls it, so that it overlaps the model's."""
+    if _may_hold(options) and not forks.forked_from_ray:
+        from ..cluster.holder import connect_soon as connect
 
-
-def _connect(timeout_s: float) -> None:
-    try:
-        from ..cluster.holder import connect
-
-        connect(timeout_s)
-    except Exception:  # noqa: BLE001  (met again by `take`, which says it)
-        pass
+        connect(options.holder_timeout_s)
 
 
 def taker(options: ServingOptions, logger) -> Callable[[Checkpoint], Held | None]:
@@ -52,18 +34,13 @@ def taker(options: ServingOptions, logger) -> Callable[[Checkpoint], Held | None
         if not _may_hold(options):
             return None
         t0 = time.perf_counter()
-        if _connecting is not None:
-            _connecting.join(options.holder_timeout_s)
         try:
             if forks.forked_from_ray:
                 raise RuntimeError("this worker was forked from a process connected to Ray, whose state it cannot "
                                    "use: start vLLM's workers with VLLM_WORKER_MULTIPROC_METHOD=spawn")
-            from ..cluster.holder import connect
-            from ..cluster.holder import take as take_held
+            from ..cluster.holder import take_checkpoint
 
-            connect(options.holder_timeout_s)
-            held, name = take_held(ckpt.root, identity(map(FileRef.of, ckpt.files)),
-                                   max(options.holder_timeout_s - (time.perf_counter() - t0), 0.01))
+            held, name = take_checkpoint(ckpt, options.holder_timeout_s)
         except Exception as e:  # noqa: BLE001  (storage serves the load instead: said here)
             logger.warning("raylazy: reading %s from storage: no holder served it (%s: %s)", ckpt.root,
                            type(e).__name__, first_line(e))
@@ -77,9 +54,4 @@ def taker(options: ServingOptions, logger) -> Callable[[Checkpoint], Held | None
 
 def _may_hold(options: ServingOptions) -> bool:
     """Whether a holder may serve this worker: the options allow one, and a Ray cluster is at hand."""
-    return options.holder != "off" and bool(os.environ.get("RAY_ADDRESS") or _connected())
-
-
-def _connected() -> bool:
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and ray.is_initialized())
+    return options.holder != "off" and bool(os.environ.get("RAY_ADDRESS") or forks.connected_to_ray())
