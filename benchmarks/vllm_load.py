@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint  # noqa: E402
 from benchmarks.loaders.diskstats import Device, refaulted_bytes  # noqa: E402
 from benchmarks.loaders.pagecache import evict, held  # noqa: E402
-from raylazy.integrations.report import fields  # noqa: E402
+from raylazy.io.report import fields  # noqa: E402
 from raylazy.io.stats import proc_io  # noqa: E402
 
 FORMATS = ("raylazy", "auto", "runai_streamer")

@@ -8,7 +8,7 @@ Each architecture of the vLLM matrix (benchmarks/harness/vllm_engines.py; defaul
 tiny and random by transformers and served at tp=2 by vLLM's CPU build in its virtualenv (the tests' cached one,
 built on first use by `python -m pytest tests/integrations/test_vllm_matrix.py`), one engine after the other in
 one process; no checks, no generation beyond the harness's. Per architecture and worker, from raylazy's log line
-of the engine's own load (raylazy/integrations/report.py): its parameters' bytes (in the served dtype: the
+of the engine's own load (raylazy/io/report.py): its parameters' bytes (in the served dtype: the
 checkpoint's by default, so the two compare), the checkpoint bytes it needed, what it read as planned, what it
 read at once for ops raylazy cannot follow (of that, planned too), what its read calls returned (rchar: the
 backend's reads, headers included) and what it received from the node's other worker (cooperative, exchange).

@@ -320,7 +320,7 @@ def vllm_phase(args, model_dir: str, cluster: FakeCluster, t0: float) -> dict:
     engine that fails ends the phase (`error`)."""
     import ray
 
-    from raylazy.integrations.report import fields
+    from raylazy.io.report import fields
 
     start = time.time()
     held = raylazy.hold(model_dir)

@@ -52,7 +52,7 @@ def loaded(worker, load_format: str, extra: dict, loader_class: str | None = Non
 
     from benchmarks.vllm_step import fresh_copy
     from raylazy.integrations import worker as raylazy_worker
-    from raylazy.integrations.report import fields
+    from raylazy.io.report import fields
     from raylazy.io.stats import io_delta, proc_io
 
     cfg = worker.vllm_config

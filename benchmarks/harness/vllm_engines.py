@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from raylazy.integrations.report import fields
+from raylazy.io.report import fields
 
 from .tiny_checkpoints import quantize_int8, write_checkpoint
 

@@ -26,11 +26,11 @@ from ..core.checkpoint import Checkpoint
 from ..errors import ReloadError, first_line
 from ..io.nodes import NodeGroup
 from ..io.regions import opened
+from ..io.report import summary
 from ..io.serving import AtOnce, Serving
 from ..io.stats import Meter
 from .lazy import lazy_weights
 from .recording import Served
-from .report import summary
 
 #: The model attribute that keeps what a reload needs of the first load.
 KEPT = "raylazy_kept"

@@ -10,7 +10,7 @@ and replays the copies, or runs `load_weights` again where the recording cannot 
 (`raylazy.integrations.worker`, `raylazy.io.serving`). Where the checkpoint is in the page cache
 already (for every worker), there is nothing to plan: the one run copies each region out of the files' mappings
 as it asks. Options: `model_loader_extra_config` (`ServingOptions`). Each worker logs one line
-(`raylazy.integrations.report.summary`).
+(`raylazy.io.report.summary`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What one vLLM worker does to load its weights with raylazy (`raylazy.integrations.vllm`'s loader calls it): its
 checkpoint opened, then either one run of the model's `load_weights` copying each region out of the page cache as it
 asks, or a run recorded over lazy weights, the regions read with the node's other workers, and the recording replayed
-or the model run again; one line logged (`raylazy.integrations.report.summary`)."""
+or the model run again; one line logged (`raylazy.io.report.summary`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from ..core.options import ServingOptions
 from ..errors import PeerFailedError
 from ..io.nodes import NodeGroup, ProcessGroupNode
 from ..io.regions import opened
+from ..io.report import summary
 from ..io.stats import Meter
 from ..storage import open_checkpoint
 from .held import connect_soon, taker
 from .reload import keep, weights_for_reload
-from .report import summary
 from .runs import at_once, recorded
 
 logger = init_logger("vllm.raylazy")

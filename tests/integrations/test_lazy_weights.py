@@ -20,9 +20,9 @@ from raylazy.integrations.lazy import lazy_weights
 from raylazy.integrations.recording import Recording, Served, broadcasts_to, wanted
 from raylazy.integrations.recording import replay as replay_copies
 from raylazy.integrations.reload import weights_for_reload
-from raylazy.integrations.report import fields, summary
 from raylazy.io.nodes import ProcessGroupNode
 from raylazy.io.regions import RegionReader, opened
+from raylazy.io.report import fields, summary
 from raylazy.io.serving import AtOnce, Serving
 from raylazy.io.stats import ServingStats
 from raylazy.storage import LocalSource, open_checkpoint, verified

@@ -79,7 +79,7 @@ def test_greedy_tokens_are_the_default_loaders(served, arch):
 
 @pytest.mark.matrix
 def test_each_worker_reports_its_load(served, arch):
-    """Each worker logs its load (raylazy/integrations/report.py): the engine's replayed (run again, where `RERUN`
+    """Each worker logs its load (raylazy/io/report.py): the engine's replayed (run again, where `RERUN`
     says why), its check's copied at once out of the page cache, their parameters' bytes counted, and no region
     taken only on a second run."""
     result = _served(served, arch, generated=False)

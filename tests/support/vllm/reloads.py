@@ -74,7 +74,7 @@ def disarm(worker, weights: bool) -> dict:
     docstring)."""
     # the engines' script and raylazy: the repository is on every process's PYTHONPATH
     from benchmarks.harness.engines import loaded
-    from raylazy.integrations.report import fields
+    from raylazy.io.report import fields
 
     state = worker.reload_test
     for undo in state["undo"]:

@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict
 
 from ..core.plans import format_bytes
-from ..io.stats import ServingStats
+from .stats import ServingStats
 
 #: How every worker's line begins.
 PREFIX = "raylazy: rank "
