@@ -13,8 +13,11 @@ from the moment all are told to go until the last is done. Loaders:
 - `cooperative`: `raylazy.io.cooperative.read_rank_cooperative`, the node's union once through the page cache
   (it maps the files: an uncached mount refuses it too);
 - `raylazy`: what `raylazy.load` reads a node with (the node-read driver, `raylazy.io.nodes.node_reads`, on the
-  reader options shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage (cooperative with
-  a page cache, the exchange without), as many requests in flight and as large as the kind's cost model says.
+  reader options shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage (cooperative,
+  through the page cache, or without one through stages in shared memory), as many requests in flight and as large
+  as the kind's cost model says;
+- `exchange`: the same, the node read by the exchange (gloo here; what GPU ranks read a mount without a page cache
+  with, over NCCL).
 
 Every (mode, loader) is run `--runs` times, the loaders' order rotating between runs, all modes and loaders
 side by side in one alternating run. The table gives the median seconds, that time over raw's, and what
@@ -38,7 +41,7 @@ from .loaders import impls
 from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
 from .netfs import MODE_PROFILES, PROFILES, fuse_problem
 
-LOADERS = ("raw", "naive", "ranged", "cooperative", "raylazy")
+LOADERS = ("raw", "naive", "ranged", "cooperative", "exchange", "raylazy")
 _FORK = multiprocessing.get_context("fork")
 
 
@@ -93,8 +96,9 @@ def run_once(model_dir: str, mode: str, loader: str, tp: int) -> dict:
         load_id = f"netfsbench{os.getpid()}x{time.monotonic_ns()}"
         shaped = ReaderOptions().shaped(storage_for(plan.root).cost_model(plan.root, plan.storage))
         reads = [None] * tp
-        if loader == "raylazy":
-            plan, reads = node_reads(plan, ["node0"] * tp, ["cpu"] * tp, shaped, load_id, lambda ranks: [""])
+        if loader in ("raylazy", "exchange"):
+            reader = shaped.model_copy(update={"backend": "exchange"}) if loader == "exchange" else shaped
+            plan, reads = node_reads(plan, ["node0"] * tp, ["cpu"] * tp, reader, load_id, lambda ranks: [""])
         else:
             plan = with_node_schedules(plan, ["node0"] * tp)
         files = checkpoint_files(fs.mountpoint)

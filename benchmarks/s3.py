@@ -12,14 +12,18 @@ Loaders, each rank in a fresh process and one process (or node) at a time, so th
 seconds are the load call only (not starting Python or importing torch):
   raylazy        a rank alone: `read_rank_ranged` of its plan (row-split reads whole or row by row, as the
                  storage's cost model estimates sooner; the `est. s` column is that model's estimate);
-                 a node: its ranks' processes share the node's reads (`read_rank_exchanged`, gloo).
+                 a node: what `raylazy.load` reads CPU ranks sharing a node with, its ranks' processes fetching
+                 the node's stripes once into stages in shared memory and copying out of them (`cooperative`).
+  exchange       a node: its ranks' processes exchange the stripes each fetched (`read_rank_exchanged`, gloo),
+                 what GPU ranks read with (over NCCL).
   runai          `SafetensorsStreamer` over the s3:// files, each tensor then cut to the rank's shard; a node:
                  its distributed mode (RUNAI_STREAMER_DIST=1 over gloo: each process reads a part, broadcasts).
   get            one plain sequential GET stream (obstore) of as many bytes as the rank needs (a node: of every
                  file, the node's union): the physical limit here. `get (direct)`: the same, not through the proxy.
   raylazy-exact, raylazy-whole (`--extremes`, rank 0)  max_gap=0 (the needed bytes, one request per row) and every
                  row-split read fetched whole, with the cost model's estimate of each.
-Before the loaders the store's rates are measured (`Bench.calibrate`) and given to raylazy's cost model.
+`CPU s`: the loader's processes' CPU seconds (user + system) during the load; the store and the proxy share the
+same cores. Before the loaders the store's rates are measured (`Bench.calibrate`) and given to raylazy's cost model.
 Shards must be bit-identical across loaders (sha1 per rank), else the run fails. A node's time is its slowest rank.
 """
 
@@ -40,7 +44,7 @@ from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
 BUCKET = "bench"
 ALONE = ("raylazy", "runai", "get")
 EXTREMES = ("raylazy-exact", "raylazy-whole")
-NODE = ("raylazy", "runai", "get")
+NODE = ("raylazy", "exchange", "runai", "get")
 _GAPS = {"raylazy": None, "raylazy-exact": 0, "raylazy-whole": 1 << 40}
 
 
@@ -55,27 +59,35 @@ def _worker(spec: dict) -> dict:
     import obstore  # noqa: F401  (imported before the clock starts, as every loader's modules)
     import runai_model_streamer  # noqa: F401
 
-    import raylazy.io.exchange  # noqa: F401
-    import raylazy.io.ranged  # noqa: F401
+    import raylazy.io.backends  # noqa: F401  (every reader)
 
     if world and spec["loader"] == "runai":
         torch.distributed.init_process_group("gloo", init_method=f"file://{spec['barrier']}.store", rank=spec["rank"],
                                              world_size=world)
-    elif world:
+    elif world and spec["loader"] == "exchange":
         from raylazy.io.collective import meet_through
 
         spec["address"] = meet_through(f"{spec['barrier']}.address", spec["rank"], 120.0)
     if world:
         _barrier(spec["barrier"], spec["rank"], world)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     shards = _load(torch, spec["loader"], plan, rp, spec)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, _cpu_s() - c0
     if shards is None:
-        return {"seconds": seconds, "digest": None}
+        return {"seconds": seconds, "cpu_s": cpu_s, "digest": None}
     from .loaders import impls
 
     sums = impls.checksums(shards)
-    return {"seconds": seconds, "digest": hashlib.sha1(json.dumps(sums, sort_keys=True).encode()).hexdigest()}
+    return {"seconds": seconds, "cpu_s": cpu_s,
+            "digest": hashlib.sha1(json.dumps(sums, sort_keys=True).encode()).hexdigest()}
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds so far, user and system."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _barrier(prefix: str, rank: int, world: int) -> None:
@@ -101,11 +113,12 @@ def _load(torch, loader: str, plan, rp, spec: dict):
     if loader == "runai":
         return impls.load_runai(torch, rp, [f.uri for f in plan.files], distributed=bool(spec.get("world")))
     if spec.get("world"):
-        from raylazy.io.exchange import read_rank_exchanged
+        from raylazy.io.backends import read_rank
         from raylazy.io.nodes import node_read
 
-        task = node_read("exchange", plan, plan.nodes[0], "", spec["address"])
-        return read_rank_exchanged(rp, "cpu", node_read=task, options=options)[0]
+        backend = "exchange" if loader == "exchange" else "cooperative"  # raylazy: what "auto" picks on CPUs
+        task = node_read(backend, plan, plan.nodes[0], spec["load_id"], spec.get("address", ""))
+        return read_rank(rp, "cpu", node_read=task, options=options.model_copy(update={"backend": backend}))[0]
     from raylazy.io.ranged import read_rank_ranged
 
     return read_rank_ranged(rp, "cpu", options=options)[0]
@@ -191,10 +204,10 @@ class Bench:
                               estimate=self._estimate(rp) if loader.startswith("raylazy") else None), (tp, rank))
 
     def node(self, tp: int, loader: str) -> None:
-        plan, path = self.plan(tp, "raylazy", nodes=loader == "raylazy")
+        plan, path = self.plan(tp, "raylazy", nodes=loader in ("raylazy", "exchange"))
         union = sum(f.size for f in plan.files)
         barrier = os.path.join(self.out, f"ready-{time.monotonic_ns()}")
-        specs = [dict(loader=loader, plan=path, rank=r, world=tp, barrier=barrier,
+        specs = [dict(loader=loader, plan=path, rank=r, world=tp, barrier=barrier, load_id=os.path.basename(barrier),
                       options=self.options, get_bytes=union) for r in range(1 if loader == "get" else tp)]
         if loader == "get":
             specs[0].pop("world")
@@ -204,7 +217,7 @@ class Bench:
             if res["digest"]:
                 self.digests.setdefault((tp, r), set()).add(res["digest"])
         slowest = max(results, key=lambda res: res["seconds"])
-        self._count(dict(slowest, digest=None), dict(loader=loader, mode="node", tp=tp, rank=f"0-{tp - 1}",
+        self._count(dict(slowest, digest=None, cpu_s=sum(res["cpu_s"] for res in results)), dict(loader=loader, mode="node", tp=tp, rank=f"0-{tp - 1}",
                                                      needed=union if loader == "get" else plan.bytes_needed))
 
     def direct_get(self, tp: int) -> None:
@@ -213,7 +226,8 @@ class Bench:
         union = sum(f.size for f in plan.files)
         options = dict(self.options, endpoint=self.server.direct)
         (res,) = _spawn([dict(loader="get", plan=path, rank=0, options=options, get_bytes=union)], self.env)
-        self._row(dict(loader="get (direct)", mode="node", tp=tp, rank="-", seconds=res["seconds"], needed=union,
+        self._row(dict(loader="get (direct)", mode="node", tp=tp, rank="-", seconds=res["seconds"], cpu_s=res["cpu_s"],
+                       needed=union,
                        bytes=union, requests=len(plan.files), in_flight=1))
 
     def calibrate(self) -> None:
@@ -246,7 +260,7 @@ class Bench:
         c = self.server.reset()
         if key and res["digest"]:
             self.digests.setdefault(key, set()).add(res["digest"])
-        self._row(dict(row, seconds=res["seconds"], bytes=c.get_bytes(), requests=len(c.requests),
+        self._row(dict(row, seconds=res["seconds"], cpu_s=res["cpu_s"], bytes=c.get_bytes(), requests=len(c.requests),
                        in_flight=c.most_in_flight))
 
     def _row(self, row: dict) -> None:
@@ -260,7 +274,7 @@ class Bench:
 
 
 def run(model_dir: str, tps: list[int], out: str, repeat: int = 1, extremes: bool = False, nodes: bool = True,
-        first_byte_s: float = 0.0, connection_bps: float = 0.0, plan_before: str | None = None,
+        alone: bool = True, first_byte_s: float = 0.0, connection_bps: float = 0.0, plan_before: str | None = None,
         log=print) -> list[dict]:
     from .s3server import S3Server
 
@@ -273,7 +287,7 @@ def run(model_dir: str, tps: list[int], out: str, repeat: int = 1, extremes: boo
             bench.planning(tp, plan_before)
         bench.calibrate()
         for tp in tps:
-            for rank in range(tp):
+            for rank in range(tp if alone else 0):
                 for _ in range(repeat):  # alternating: each loader in turn, then again
                     for loader in ALONE + (EXTREMES if extremes and rank == 0 else ()):
                         bench.alone(tp, rank, loader)
@@ -291,20 +305,22 @@ def run(model_dir: str, tps: list[int], out: str, repeat: int = 1, extremes: boo
 def _line(r: dict) -> str:
     secs = f"{r['seconds']:.2f} s" if r["seconds"] is not None else "-"
     rate = f", {r['needed'] / r['seconds'] / 1e9:.2f} GB/s" if r["seconds"] and r["needed"] else ""
-    return (f"{r['loader']:>14} {r['mode']:>6} tp={r['tp']} rank {r['rank']}: {secs}{rate}, {r['bytes'] / 1e6:.1f} MB "
+    cpu = f", CPU {r['cpu_s']:.2f} s" if r.get("cpu_s") is not None else ""
+    return (f"{r['loader']:>14} {r['mode']:>6} tp={r['tp']} rank {r['rank']}: {secs}{rate}{cpu}, {r['bytes'] / 1e6:.1f} MB "
             f"in {r['requests']} requests (at most {r['in_flight']} at once)")
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| loader | per | tp | rank | seconds | est. s | GB/s | MB needed | MB fetched | x needed | requests | "
-             "most in flight |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| loader | per | tp | rank | seconds | est. s | GB/s | CPU s | MB needed | MB fetched | x needed | requests | "
+             "most in flight |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         secs = f"{r['seconds']:.2f}" if r["seconds"] is not None else ""
         est = f"{r['estimate']:.2f}" if r.get("estimate") is not None else ""
         rate = f"{r['needed'] / r['seconds'] / 1e9:.2f}" if r["seconds"] and r["needed"] else ""
         needed = f"{r['needed'] / 1e6:.1f}" if r["needed"] else ""
         ratio = f"{r['bytes'] / r['needed']:.2f}" if r["needed"] else ""
-        lines.append(f"| {r['loader']} | {r['mode']} | {r['tp']} | {r['rank']} | {secs} | {est} | {rate} | {needed} | "
+        cpu = f"{r['cpu_s']:.2f}" if r.get("cpu_s") is not None else ""
+        lines.append(f"| {r['loader']} | {r['mode']} | {r['tp']} | {r['rank']} | {secs} | {est} | {rate} | {cpu} | {needed} | "
                      f"{r['bytes'] / 1e6:.1f} | {ratio} | {r['requests']} | {r['in_flight']} |")
     return "\n".join(lines)
 
@@ -322,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="rounds of the alternating loaders")
     p.add_argument("--extremes", action="store_true", help="also raylazy-exact and raylazy-whole, a rank alone")
     p.add_argument("--no-nodes", action="store_true", help="only ranks alone")
+    p.add_argument("--no-alone", action="store_true", help="only nodes")
     p.add_argument("--first-byte-ms", type=float, default=0.0, help="the proxy waits this long before each answer")
     p.add_argument("--connection-mbps", type=float, default=0.0, help="MB/s each response is sent at (0: as fast as it can)")
     p.add_argument("--plan-before", default=None, help="an older checkout whose planning's requests to count too")
@@ -332,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     size = sum(os.path.getsize(f) for f in checkpoint_files(model_dir))
     print(f"checkpoint {model_dir}: {len(checkpoint_files(model_dir))} files, {size / 1e9:.2f} GB; results in {out}")
-    rows = run(model_dir, args.tp, out, args.repeat, args.extremes, not args.no_nodes, args.first_byte_ms / 1e3,
+    rows = run(model_dir, args.tp, out, args.repeat, args.extremes, not args.no_nodes, not args.no_alone,
+               args.first_byte_ms / 1e3,
                args.connection_mbps * 1e6, args.plan_before)
     md = table(rows)
     with open(os.path.join(out, "results.json"), "w") as f:

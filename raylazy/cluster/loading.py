@@ -152,7 +152,7 @@ class Load:
         except BaseException:
             # cooperative stripe readers that died never counted themselves done: the ranks alive remove the
             # node's ready map (from /dev/shm); best effort, a few seconds at most
-            if self.options.reader.stripe_readers and plan.nodes:
+            if plan.nodes:
                 forgot = [a.forget_load.remote(load_id) for a in self.group.actors]
                 ray.wait(forgot, num_returns=len(forgot), timeout=5)
             raise

@@ -33,8 +33,9 @@ def choose_backend(requested: str, peers: int, device: str, page_cache: bool, no
 
     "auto": a rank alone on its node reads its own ranges ("ranged": they are exactly its pages); ranks sharing a
     node read its union once, through the page cache on the CPU ("cooperative") or with stripes exchanged on a GPU
-    ("exchange"). Without a page cache to share (object storage, a FUSE mount serving direct_io) the node exchanges,
-    "cooperative" asked for included. `copies_out`: the consumer copies out of the files' mappings itself (lazy
+    ("exchange"). Without a page cache to share (object storage, a FUSE mount serving direct_io) CPU ranks read
+    "cooperative" from stages, the node's bytes fetched once into shared memory, and GPU ranks (or consumers copying
+    out themselves, or "exchange" asked for) exchange. `copies_out`: the consumer copies out of the files' mappings itself (lazy
     weights): "cooperative" is then those copies, the page cache shared by their page faults, for a rank alone too
     (asked for "auto", reading straight into a destination what it takes whole). fastsafetensors with `nogds` None
     on a shared node gets nogds=True (GDS is for one process per device). Not `mappable`: "auto" reads "ranged"
@@ -45,7 +46,9 @@ def choose_backend(requested: str, peers: int, device: str, page_cache: bool, no
     nogds = True if requested == "fastsafetensors" and nogds is None and peers > 1 else nogds
     if requested not in ("auto", *NODE_BACKENDS):
         return BackendChoice(requested, False, nogds=nogds)
-    if not page_cache or device != "cpu" and (requested == "auto" or not mappable):
+    if not page_cache:  # on the CPU the node's bytes staged in shared memory, where the consumer does not copy out
+        node = "cooperative" if device == "cpu" and requested != "exchange" and not copies_out else "exchange"
+    elif device != "cpu" and (requested == "auto" or not mappable):
         node = "exchange"
     elif requested == "auto":
         node = "cooperative" if mappable else ""  # "": no node read, each rank its own ranges

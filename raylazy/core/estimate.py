@@ -158,12 +158,13 @@ def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader
 def _together(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], name: str, seen: dict,
               shards: tuple[int, ...]) -> dict:
     """A node backend's figures: the node's union read once in stripes; cooperative ranks copy their shards out of
-    the page cache, exchanging ranks send each other what they keep of their stripes, round by round."""
+    the page cache (or, with none, out of the stages their readers fetched the stripes into), exchanging ranks send each other what they keep of their stripes, round by round."""
     stripe = hw.storage.request_bytes if hw.storage.network else DEFAULT_STRIPE_BYTES
     sched = node_schedule(plan, ranks, node, stripe)
     read = _storage([(s.file, s.start, s.end) for s in sched.stripes], hw, seen)
-    if name == "cooperative":  # one page-fault stream a rank
-        return read | dict(depth=min(hw.storage.connections, len(ranks)), copy_bytes=shards)
+    if name == "cooperative":  # one page-fault stream a rank; staged (no page cache), the readers' threads
+        streams = dict(depth=min(hw.storage.connections, len(ranks))) if hw.storage.page_cache else {}
+        return read | streams | dict(copy_bytes=shards)
     keeps = {r: rank_keeps(plan, sched, r) for r in ranks}
     reader = [s.reader for s in sched.stripes]
     got = tuple(sum(k.part.bytes_needed for k in keeps[r] if reader[k.stripe] != r) for r in ranks)

@@ -85,13 +85,14 @@ class ReaderOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    #: "auto": for ranks that share a node, cooperative on CPUs and exchange on GPUs (and for objects, which have no
-    #: page cache to share); ranged for a rank alone on its node (`raylazy.core.choices.choose_backend`).
+    #: "auto": for ranks that share a node, cooperative on CPUs (through stages in shared memory where the storage has
+    #: no page cache to share: objects, a direct_io mount) and exchange on GPUs; ranged for a rank alone on its node
+    #: (`raylazy.core.choices.choose_backend`).
     backend: Literal["auto", "ranged", "cooperative", "exchange", "fastsafetensors"] = "auto"
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
     queue_size: int = Field(0, ge=-1, le=64)
-    #: Threads issuing positional reads in each rank (ranged; exchange: its stripe reader threads).
+    #: Threads issuing positional reads in each rank (ranged; exchange and staged cooperative reads: its stripe readers).
     threads: int = Field(4, ge=1, le=64)
     #: cooperative: threads per rank that read the rank's stripes of its node's union into the page cache ahead of
     #: the copies (each stripe once, one large request). 0: none; every rank copies its bytes straight out of its

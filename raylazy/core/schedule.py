@@ -146,13 +146,16 @@ class NodeRead:
     what it keeps; `raylazy.io.nodes.node_read` builds it), an id unique to the read (it names the node's ready
     map, for cooperative stripe readers) and where the ranks meet (the exchange's rendezvous address). `mapped`:
     whether cooperative keepers copy out of mappings of the files (local storage) or read their keeps out of the
-    page cache (network storage, where a read failed through a mapping is a SIGBUS)."""
+    page cache (network storage, where a read failed through a mapping is a SIGBUS). `staged`: storage with no page
+    cache to share (object storage, a mount serving direct_io): the cooperative readers fetch the node's bytes into
+    shared memory, its stages, and the keepers copy out of those."""
 
     schedule: NodeSchedule
     plans: tuple[RankPlan, ...] = ()
     load_id: str = ""
     address: str = ""
     mapped: bool = True
+    staged: bool = False
 
 
 class Keep(NamedTuple):

@@ -1,5 +1,5 @@
-"""Cooperative reads on the CPU: a node's ranks bring its union from storage once, into the page cache, and
-each copies the bytes it keeps out of a memory map of the files.
+"""Cooperative reads on the CPU: a node's ranks bring its union from storage once, into the page cache (or, on
+storage with none to share, into stages in shared memory), and each copies the bytes it keeps out of a memory map.
 
 Every rank of a node gets the node's `NodeSchedule` and a load id (its `NodeRead`). As a keeper, a rank copies
 its keeps (`rank_keeps`) out of a private read-only mapping of each file (`mmap`, which shares the page
@@ -30,8 +30,10 @@ A keeper waits at most `options.stripe_timeout_s` for any stripe to become ready
 died and is not restarted in time), then raises a ReadError naming the stripe, its file and its reader.
 A reader that fails marks its remaining stripes failed, so its peers fail at once too. Files are
 checked against the plan first (FileChangedError); a file truncated while mapped would kill the rank's
-process (SIGBUS), which Ray then restarts and the check catches. Only local files can be mapped: for
-other storages the load picks the exchange instead (`raylazy.core.choices.choose_backend`). On network storage,
+process (SIGBUS), which Ray then restarts and the check catches. Only local files sharing a page cache are mapped:
+on other storage (objects, a direct_io mount: `NodeRead.staged`) every rank runs `options.threads` stripe readers
+that fetch their stripes into the node's stages (`ReadyMap.stage`: a shared, sparse file per checkpoint file, in
+/dev/shm), and keepers copy out of those; a stripe every rank is done with is given back. On network storage,
 where a read the storage fails is a SIGBUS to a copy out of a mapping, a keeper reads its keeps with `preadv`
 out of the page cache instead (`raylazy.io.ranged.read_part`; on the CPU only), its files not mapped. The
 mappings are `raylazy.io.mapping`'s.
@@ -43,6 +45,7 @@ reader's GPU, then NCCL to the keepers) is a separate path.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -59,8 +62,9 @@ from ..core.plans import NodeSchedule, RankPlan
 from ..core.schedule import NodeRead, rank_keeps
 from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
+from ..storage.verified import check_given_up
 from .buffers import shard_buffers, shards_of
-from .mapping import mapped_files, populate, populates, unmap_later
+from .mapping import mapped_files, populate, populates, prefault, punch_hole, unmap_later
 from .ranged import gap_bytes, read_part
 from .stats import Counter, Meter, Progress, ReadStats
 
@@ -86,27 +90,32 @@ def read_rank_cooperative(
     import torch
 
     dev = torch.device(device)
-    sched = node_read.schedule
+    sched, staged = node_read.schedule, node_read.staged
     if plan.rank not in sched.ranks:
         raise ConfigurationError(f"rank {plan.rank} is not one of node {sched.node}'s ranks {sched.ranks}")
     stats, counter, meter = ReadStats(backend="cooperative", device=str(dev)), Counter(on_progress), Meter()
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
-    threads = min(options.stripe_readers, len(mine))  # this rank's stripe readers (none: the kernel reads)
-    files = {k.part.read.file for k in keeps} | ({sched.stripes[i].file for i in mine} if threads else set())
+    # this rank's stripe readers (none: the kernel reads); staged, as many as the storage serves requests at once
+    threads = min(options.threads if staged else options.stripe_readers, len(mine))
+    kept = {k.part.read.file for k in keeps}
+    files = (set() if staged else kept) | ({sched.stripes[i].file for i in mine} if threads else set())
     size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
     with ExitStack() as stack:
         # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
-        ready = stack.enter_context(_ready_map(node_read.load_id, sched, mine)) if options.stripe_readers else None
-        sources = stack.enter_context(open_planned_files(plan, sorted(files), opened=sources))
-        _check_local(plan, sources)
-        kept = {k.part.read.file for k in keeps}
-        if dev.type != "cpu" and not node_read.mapped:
-            raise ConfigurationError(f"{plan.files[min(kept)].uri}: on network storage cooperative reads copy out of "
-                                     "the page cache with reads, on the CPU only: use backend='exchange'")
-        # network storage: read out of the page cache instead (a failed read met through a mapping is a SIGBUS)
-        maps = stack.enter_context(mapped_files({f: sources[f] for f in kept} if node_read.mapped else {}))
+        ready = stack.enter_context(_ready_map(node_read.load_id, sched, mine, staged)) \
+            if staged or options.stripe_readers else None
+        sources = stack.enter_context(open_planned_files(plan, sorted(files), options.storage_options, sources))
+        if staged:
+            maps = {f: m for f, m in ready.stage(plan).items() if f in kept}
+        else:
+            _check_local(plan, sources)
+            if dev.type != "cpu" and not node_read.mapped:
+                raise ConfigurationError(f"{plan.files[min(kept)].uri}: on network storage cooperative reads copy out "
+                                         "of the page cache with reads, on the CPU only: use backend='exchange'")
+            # network storage: read out of the page cache instead (a failed read met through a mapping is a SIGBUS)
+            maps = stack.enter_context(mapped_files({f: sources[f] for f in kept} if node_read.mapped else {}))
         readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
         with _one_intra_op_thread(torch):
             _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s)
@@ -119,7 +128,8 @@ def read_rank_cooperative(
     stats.requests = len(mine) if threads else 0
     stats.in_flight, stats.request_bytes = threads, sched.stripe_bytes if threads else 0
     stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
-    stats.staging_buffers = threads if not populates() else 0  # populating the page cache stages nothing
+    # populating the page cache stages nothing; staged, the node's bytes in flight are shared memory, not the rank's
+    stats.staging_buffers = threads if not (staged or populates()) else 0
     stats.staging_bytes = stats.staging_buffers * size
     meter.stop(stats)
     return shards_of(plan, buffers), stats
@@ -134,10 +144,10 @@ def _check_local(plan: RankPlan, sources: dict[int, Source]) -> None:
 
 
 @contextmanager
-def _ready_map(load_id: str, sched: NodeSchedule, mine: tuple[int, ...]) -> Iterator[ReadyMap]:
+def _ready_map(load_id: str, sched: NodeSchedule, mine: tuple[int, ...], staged: bool) -> Iterator[ReadyMap]:
     """The node's ready map for this rank's read: on a failure the rank's stripes not yet ready are marked failed
     (its peers waiting for them fail at once instead of timing out); counted done either way."""
-    ready = ReadyMap(load_id, sched)
+    ready = ReadyMap(load_id, sched, staged)
     try:
         yield ready
     except BaseException:
@@ -151,7 +161,8 @@ def _ready_map(load_id: str, sched: NodeSchedule, mine: tuple[int, ...]) -> Iter
 def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], threads: int, sources: dict,
                     ready: ReadyMap | None, size: int) -> Iterator[list]:
     """`threads` threads reading this rank's stripes (`_read_stripes`); yields their futures (none without
-    threads); on leaving, they stop after their current stripe."""
+    threads); on leaving, they stop after their current stripe (on an error, this rank's stripes not yet ready are
+    marked failed first)."""
     if not threads:
         yield []
         return
@@ -160,6 +171,9 @@ def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], 
         try:
             yield [pool.submit(copy_context().run, _read_stripes, plan, sched, todo, sources, ready, size, stop)
                    for _ in range(threads)]  # each in the load's context (`raylazy.storage.Load`)
+        except BaseException:
+            ready.fail(mine)  # now: the peers stop waiting before a read blocked in the kernel returns
+            raise
         finally:
             stop.set()
 
@@ -191,8 +205,11 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
                 return
             s = sched.stripes[i]
             source = sources[s.file]
+            staged = ready.reserve(s) if ready.staged else None  # its room in shared memory, taken first
             with reading(source, f"rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end})"):
-                if not populate(source, s, maps):
+                if staged is not None:
+                    source.readinto(s.start, [staged])
+                elif not populate(source, s, maps):
                     view = view or memoryview(bytearray(size))
                     source.readinto(s.start, [view[: s.end - s.start]])
             ready.mark(i)
@@ -211,6 +228,10 @@ def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict,
 
     def copy(k) -> None:  # a read in flight while it runs: its page faults may wait on storage
         f, flat = k.part.read.file, buffers[k.tensor][0]
+        if ready is not None and ready.staged:  # out of shared memory: nothing waits on storage
+            _copy_keep(flat, maps[f], k.part)
+            counter.add(k.part.bytes_needed)
+            return
         with reading(sources[f], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of the page cache "
                                  f"(bytes from {k.part.read.offset})"):
             if f in maps:
@@ -226,6 +247,7 @@ def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict,
     by_stripe: dict[int, list] = {}
     for k in keeps:
         by_stripe.setdefault(k.stripe, []).append(k)
+    ready.release([i for i in range(len(sched.stripes)) if i not in by_stripe])
     waiting = np.array(sorted(by_stripe), dtype=np.int64)
     deadline, pause = time.monotonic() + timeout_s, 0.0005
     while len(waiting):
@@ -242,6 +264,7 @@ def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict,
             for f in readers:
                 if f.done() and f.exception():
                     f.result()
+            check_given_up(plan.files[sched.stripes[int(waiting[0])].file].uri)  # a stall gave this read up
             if time.monotonic() > deadline:
                 i = int(waiting[0])
                 raise ReadError(f"rank {plan.rank}: {_stripe_name(plan, sched, i)} was not ready within "
@@ -252,6 +275,7 @@ def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict,
         for i in now_ready.tolist():
             for k in by_stripe[i]:
                 copy(k)
+            ready.release([i])
         waiting = waiting[state != READY]
         deadline, pause = time.monotonic() + timeout_s, 0.0005
 
@@ -274,31 +298,101 @@ def _stripe_name(plan: RankPlan, sched: NodeSchedule, i: int) -> str:
 
 
 class ReadyMap:
-    """The node's stripe states in a small shared file: 16-byte header (ranks done, stripes), one byte per stripe."""
+    """The node's stripe states in a small shared file: a 32-byte header (ranks done, stripes, ranks that opened the
+    stages, where the stages are), per stripe the ranks done with it (2 bytes) and its state (1 byte); `staged`,
+    each file's stage: the node's bytes of it, fetched once into shared memory."""
 
-    HEADER = 16
+    HEADER = 32
+    SHM, TEMP = 1, 2  # where the stages are: shm_dir(), or the temporary directory where that has no room
 
-    def __init__(self, load_id: str, sched: NodeSchedule):
+    def __init__(self, load_id: str, sched: NodeSchedule, staged: bool = False):
         import numpy as np
 
         node = "".join(c for c in sched.node if c.isalnum())[:16] or "node"
-        self.path = os.path.join(shm_dir(), f"raylazy-{load_id}-{node}.ready")
-        self.ranks = len(sched.ranks)
-        size = self.HEADER + len(sched.stripes)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.prefix = os.path.join(shm_dir(), f"raylazy-{load_id}-{node}")
+        self.path, self.ranks, self.staged, self.sched = f"{self.prefix}.ready", len(sched.ranks), staged, sched
+        n = len(sched.stripes)
+        size = self.HEADER + 3 * n
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            with _locked(fd):
-                have = os.fstat(fd).st_size
+            with _locked(self.fd):
+                have = os.fstat(self.fd).st_size
                 if have == 0:  # the first rank here: size it (zero-filled: every stripe pending)
-                    os.ftruncate(fd, size)
-                    os.pwrite(fd, len(sched.stripes).to_bytes(8, "little"), 8)
-                elif have != size or int.from_bytes(os.pread(fd, 8, 8), "little") != len(sched.stripes):
+                    os.ftruncate(self.fd, size)
+                    os.pwrite(self.fd, n.to_bytes(8, "little"), 8)
+                    os.pwrite(self.fd, self._room(sched).to_bytes(8, "little"), 24)
+                elif have != size or int.from_bytes(os.pread(self.fd, 8, 8), "little") != n:
                     raise ReadError(f"{self.path}: a ready map of another schedule ({have} bytes, {size} expected); "
                                     "two loads share a load id: load again")
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.flags = np.frombuffer(self.mm, dtype=np.uint8, offset=self.HEADER)
+            self.mm = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.counts = np.frombuffer(self.mm, dtype=np.uint16, count=n, offset=self.HEADER)
+        self.flags = np.frombuffer(self.mm, dtype=np.uint8, offset=self.HEADER + 2 * n)
+        self.stages: dict[int, int] = {}  # file -> its stage's descriptor
+        self._stage_maps: dict = {}
+
+    def _room(self, sched: NodeSchedule) -> int:
+        """Where the stages go: shm_dir() where it has room for the node's bytes, else the temporary directory."""
+        if not self.staged:
+            return 0
+        free = os.statvfs(shm_dir())
+        union = sum(s.end - s.start for s in sched.stripes)
+        return self.SHM if free.f_bavail * free.f_frsize >= union else self.TEMP
+
+    def _stage_path(self, f: int) -> str:
+        where = int.from_bytes(self.mm[24:32], "little")
+        folder = shm_dir() if where == self.SHM else tempfile.gettempdir()
+        return os.path.join(folder, f"{os.path.basename(self.prefix)}-{f}.stage")
+
+    def stage(self, plan: RankPlan) -> dict:
+        """Each file of the node's stripes as a uint8 tensor over a shared mapping of its stage ({file: tensor}),
+        created (sparse, the file's size) by the first rank; the last of the node's ranks to open them removes
+        their names (their memory lives while a rank maps them: a rank killed leaves nothing behind)."""
+        import numpy as np
+        import torch
+
+        for f in sorted({s.file for s in self.sched.stripes}):
+            fd = self.stages[f] = os.open(self._stage_path(f), os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, plan.files[f].size)  # the same size from every rank: sparse, nothing allocated
+            self._stage_maps[f] = torch.from_numpy(np.frombuffer(mmap.mmap(fd, plan.files[f].size), dtype=np.uint8))
+        with _locked(self.fd):
+            opened = int.from_bytes(os.pread(self.fd, 8, 16), "little") + 1
+            os.pwrite(self.fd, opened.to_bytes(8, "little"), 16)
+        if opened == self.ranks:
+            self._unlink_stages()
+        return dict(self._stage_maps)
+
+    def reserve(self, s):
+        """Stripe `s`'s bytes in its file's stage, allocated (a write through a mapping into a full tmpfs would be a
+        SIGBUS): the array its reader fills."""
+        try:
+            os.posix_fallocate(self.stages[s.file], s.start, s.end - s.start)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            free = os.statvfs(os.path.dirname(self._stage_path(s.file)))
+            raise ConfigurationError(
+                f"{self._stage_path(s.file)}: no room to stage bytes {s.start}-{s.end} of file {s.file} of node "
+                f"{self.sched.node}'s read ({sum(x.end - x.start for x in self.sched.stripes)} bytes in all, "
+                f"{free.f_bavail * free.f_frsize} free): give {shm_dir()} more room, or read with "
+                "backend='exchange'") from None
+        staged = self._stage_maps[s.file][s.start : s.end]
+        prefault(staged.data_ptr(), s.end - s.start)
+        return staged.numpy()
+
+    def release(self, stripes) -> None:
+        """This rank is done with `stripes` (copied its keeps out of them); a stripe every rank is done with has its
+        stage's memory given back (staged only)."""
+        if not self.staged or not stripes:
+            return
+        with _locked(self.fd):
+            self.counts[stripes] += 1
+            free = [i for i in stripes if self.counts[i] == self.ranks]
+        for i in free:
+            s = self.sched.stripes[i]
+            punch_hole(self.stages[s.file], s.start, s.end - s.start)
 
     def mark(self, i: int) -> None:
         self.flags[i] = READY
@@ -310,18 +404,29 @@ class ReadyMap:
                 self.flags[i] = FAILED
 
     def done(self) -> None:
-        """Count this rank done; the last of the node's ranks removes the file."""
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            with _locked(fd):
-                count = int.from_bytes(os.pread(fd, 8, 0), "little") + 1
-                os.pwrite(fd, count.to_bytes(8, "little"), 0)
-                if count >= self.ranks:
-                    os.unlink(self.path)
-        finally:
+        """Count this rank done; the last of the node's ranks removes the file (and the stages' names, if a rank
+        failed before it opened them)."""
+        with _locked(self.fd):
+            count = int.from_bytes(os.pread(self.fd, 8, 0), "little") + 1
+            os.pwrite(self.fd, count.to_bytes(8, "little"), 0)
+            if count >= self.ranks:
+                os.unlink(self.path)
+                if self.staged:
+                    self._unlink_stages()
+        for fd in self.stages.values():
             os.close(fd)
-        self.flags = None
+        self.stages.clear()
+        unmap_later(self._stage_maps)
+        os.close(self.fd)
+        self.flags = self.counts = None
         self.mm.close()
+
+    def _unlink_stages(self) -> None:
+        for f in {s.file for s in self.sched.stripes}:
+            try:
+                os.unlink(self._stage_path(f))
+            except FileNotFoundError:
+                pass
 
 
 class _locked:
@@ -336,14 +441,16 @@ class _locked:
 
 
 def remove_ready_maps(load_id: str) -> None:
-    """Remove this node's ready maps of load `load_id` (after the load failed; those already gone are skipped)."""
+    """Remove this node's ready maps and stages of load `load_id` (after the load failed; those already gone are
+    skipped)."""
     prefix = f"raylazy-{load_id}-"
-    for name in os.listdir(shm_dir()):
-        if name.startswith(prefix) and name.endswith(".ready"):
-            try:
-                os.unlink(os.path.join(shm_dir(), name))
-            except FileNotFoundError:
-                pass
+    for folder in {shm_dir(), tempfile.gettempdir()}:
+        for name in os.listdir(folder):
+            if name.startswith(prefix) and name.endswith((".ready", ".stage")):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except FileNotFoundError:
+                    pass
 
 
 def shm_dir() -> str:

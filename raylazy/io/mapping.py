@@ -1,7 +1,7 @@
 """Files as memory maps: a local file's whole mapping as a tensor (`mapped`), a region's box as a view of it
 (`mapped_box`, where `box_mappable`), its pages brought into the page cache ahead of the copies out of it
 (`populate`, `populating`), asked whether they are there (`pages_in_cache`, `in_page_cache`, `cached_share`), and
-unmapped off the caller's thread (`unmap_later`). The cooperative backend and the serving of regions both use them."""
+unmapped off the caller's thread (`unmap_later`), and a file's memory given back (`punch_hole`). The cooperative backend and the serving of regions both use them."""
 
 from __future__ import annotations
 
@@ -23,8 +23,12 @@ _POPULATE = getattr(mmap, "MADV_POPULATE_READ", 22)
 #: libc's madvise through ctypes, which releases the GIL during the call (mmap.madvise holds it: a reader
 #: thread waiting on storage there stalled the keeper thread of its process for the whole read).
 _libc = ctypes.CDLL(None, use_errno=True)
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+#: fallocate(2)'s FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE.
+_PUNCH_HOLE = 0x01 | 0x02
 #: mincore's byte per page -> 1 where its low bit (in the page cache) is set, else 0 (the other bits are reserved).
 _IN_CACHE = bytes(i & 1 for i in range(256))
 
@@ -53,6 +57,18 @@ def populate(source: LocalSource, s, maps: dict[int, tuple[mmap.mmap, int]]) -> 
             raise
         _POPULATE = 0  # not supported here: read into a scratch buffer
         return False
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give back the memory of bytes [offset, offset + length) of a file in memory (a tmpfs file: its pages are
+    dropped, reading as zeros); best effort: where the file system cannot, it is given back when the file goes."""
+    _libc.fallocate(fd, _PUNCH_HOLE, offset, length)
+
+
+def prefault(address: int, length: int) -> None:
+    """Fill the page tables of `length` bytes of a shared writable mapping from `address` (page-aligned) before they
+    are written (madvise MADV_POPULATE_WRITE, Linux >= 5.14): one call instead of a page fault a page; best effort."""
+    _libc.madvise(address, length, _POPULATE_WRITE)
 
 
 def populates() -> bool:

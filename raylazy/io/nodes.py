@@ -64,9 +64,11 @@ def node_read(backend: str, plan: Plan, schedule, load_id: str, address: str = "
     """What every rank of node `schedule` gets to read `plan` with node backend `backend`: the exchange's readers
     send each rank what it keeps, so they get the plans of all the node's ranks (and `address`, where they meet);
     cooperative ranks meet in the page cache and need only the schedule, `load_id` and whether the files may be
-    mapped (`maps_safely`, from the storage the plan names: the ranks read nothing but the checkpoint)."""
+    mapped (`maps_safely`, from the storage the plan names: the ranks read nothing but the checkpoint), or, on
+    storage with no page cache to share, in stages in shared memory (`staged`)."""
     plans = tuple(plan.ranks[r] for r in schedule.ranks) if backend == "exchange" else ()
-    return NodeRead(schedule, plans, load_id, address, maps_safely(plan.storage))
+    staged = backend == "cooperative" and not shares_page_cache(plan.files, plan.storage)
+    return NodeRead(schedule, plans, load_id, address, maps_safely(plan.storage), staged)
 
 
 class NodeGroup(Protocol):

@@ -173,6 +173,13 @@ def requested(source: Source | str, what: str) -> Iterator[None]:
             del load.in_flight[key]
 
 
+def check_given_up(what: str) -> None:
+    """Raise where the current load was given up (`Load.abort`): for a thread waiting on something other than
+    storage (a keeper waiting for its node's stripes), which then stops too; `what`: the URI it waits for."""
+    if (_LOAD.get() or _OUTSIDE).aborted:
+        raise given_up(what)
+
+
 class _Unopened(NamedTuple):
     """A file or directory a request is about before a Source of it is open (`requested`)."""
 

@@ -20,11 +20,13 @@ def test_every_choice_is_consistent_with_its_facts(copies_out):
     for requested, peers, device, page_cache, nogds, mappable in CASES:
         c = choose_backend(requested, peers, device, page_cache, nogds, copies_out, mappable)
         case = (requested, peers, device, page_cache, nogds, copies_out, mappable)
+        staged = c.backend == "cooperative" and not page_cache  # the node's bytes staged in shared memory
         if not mappable:  # nothing copies out of a mapping that may fail (cooperative keepers read, on the CPU)
-            assert c.backend != "cooperative" or not copies_out and requested == "cooperative" and device == "cpu", \
-                case
+            assert c.backend != "cooperative" or staged or not copies_out and requested == "cooperative" \
+                and device == "cpu", case
         assert c.with_node == (c.backend in NODE_BACKENDS and not (copies_out and c.backend == "cooperative")), case
-        assert c.backend != "cooperative" or page_cache, case  # a page cache to share, or none is shared
+        # a page cache to share, or stages for CPU ranks of a node read (the consumer copying out has neither)
+        assert not staged or device == "cpu" and c.with_node and not copies_out and requested != "exchange", case
         if requested not in ("auto", *NODE_BACKENDS):
             assert c.backend == requested and not c.with_node, case  # asked for: kept
         if requested == "auto" and peers == 1 and not (copies_out and page_cache and mappable):
@@ -35,21 +37,26 @@ def test_every_choice_is_consistent_with_its_facts(copies_out):
         assert c.nogds == (True if requested == "fastsafetensors" and nogds is None and peers > 1 else nogds), case
 
 
-def test_a_node_read_the_vllm_format_chooses_is_the_one_raylazy_load_would_read():
-    """The vLLM format decides once for its node (copying out where it can), then each batch's node read goes through
-    the node-read driver, which decides as `raylazy.load` does: wherever the first is a node read, so is the second,
-    with the same backend."""
+def test_a_node_read_the_vllm_format_chooses_is_the_one_its_batches_read():
+    """The vLLM format decides once for its node (copying out where it can); where that is a node read it is an
+    exchange, and each batch's node read goes through the node-read driver asking for "exchange"
+    (`raylazy.io.serving`), which the driver keeps: the same choice."""
     for requested, peers, device, page_cache, nogds, mappable in CASES:
         served = choose_backend(requested, peers, device, page_cache, nogds, True, mappable)
         if served.with_node:
-            assert choose_backend(requested, peers, device, page_cache, nogds, mappable=mappable) == served
+            assert served.backend == "exchange"
+            assert choose_backend("exchange", peers, device, page_cache, nogds, mappable=mappable) == served
 
 
 def test_the_documented_choices():
-    # raylazy.load: cooperative through a shared page cache on CPUs, the exchange on GPUs or without one
+    # raylazy.load: cooperative through a shared page cache or stages on CPUs, the exchange on GPUs
     assert choose_backend("auto", 4, "cpu", True).backend == "cooperative"
     assert choose_backend("auto", 4, "cuda:0", True).backend == "exchange"
-    assert choose_backend("cooperative", 4, "cpu", False).backend == "exchange"
+    assert choose_backend("auto", 4, "cpu", False) == BackendChoice("cooperative", True)
+    assert choose_backend("cooperative", 4, "cpu", False) == BackendChoice("cooperative", True)
+    assert choose_backend("exchange", 4, "cpu", False).backend == "exchange"
+    assert choose_backend("auto", 4, "cuda:0", False).backend == "exchange"
+    assert choose_backend("auto", 4, "cpu", False, copies_out=True).backend == "exchange"
     # the vLLM format: copies out of the mappings alone (reading whole takes in place) and on a CPU node
     alone = choose_backend("auto", 1, "cuda:0", True, copies_out=True)
     assert (alone.backend, alone.with_node, alone.reads_in_place) == ("cooperative", False, True)

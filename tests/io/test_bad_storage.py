@@ -273,7 +273,7 @@ def reading_threads(rank: int, shards: dict) -> list[str]:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("backend", ["ranged", "exchange"])
+@pytest.mark.parametrize("backend", ["ranged", "exchange", "cooperative"])
 def test_the_same_actors_load_again_once_a_stalled_mount_answers(netfs, llama_dir, llama_copy, ray_local, backend):
     """raylazy.load tp=2 into the caller's actors from a mount that stalls: a RankFailedError of StorageStallErrors;
     once the mount answers new reads (the stalled ones still blocked) a load into the same actors reads exact

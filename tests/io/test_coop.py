@@ -8,13 +8,17 @@ cache, so the tests that tell two nodes apart run each node alone, from a cold c
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import tempfile
 import threading
 import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +26,9 @@ import torch
 import raylazy
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import with_node_schedules
-from raylazy.errors import FileChangedError, RankFailedError, ReadError
-from raylazy.io.cooperative import read_rank_cooperative, shm_dir
+from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
+from raylazy.io import cooperative
+from raylazy.io.cooperative import ReadyMap, read_rank_cooperative, shm_dir
 from raylazy.io.nodes import node_read
 from raylazy.io.stats import io_delta, proc_io
 from raylazy.planning import make_plan
@@ -69,13 +74,16 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool, populate: bool) ->
 READERS = ReaderOptions(stripe_readers=4, stripe_timeout_s=60)
 
 
-def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120, ranks=None, populate=True) -> dict:
+def run_nodes(plan, options=ReaderOptions(), die=(), use_out=False, timeout=120, ranks=None, populate=True,
+              staged=False) -> dict:
     """Run every rank of every scheduled node of `plan` (or only `ranks`) as its own process, all at once;
     rank -> (shards, stats, same, seen: what its process was measured reading) or error. `populate=False`: the
-    readers cannot MADV_POPULATE_READ."""
+    readers cannot MADV_POPULATE_READ. `staged`: the node's bytes read into stages in shared memory, as on storage
+    with no page cache to share."""
     queue, load_id = RANK_PROCESSES.Queue(), f"test{os.getpid()}x{time.monotonic_ns()}"
-    procs = [RANK_PROCESSES.Process(target=_rank, args=(rp, node_read("cooperative", plan, plan.node_of(rp.rank), load_id),
-                                                        options, queue, rp.rank in die, use_out, populate))
+    reads = {n.node: replace(node_read("cooperative", plan, n, load_id), staged=staged) for n in plan.nodes}
+    procs = [RANK_PROCESSES.Process(target=_rank, args=(rp, reads[plan.node_of(rp.rank).node], options, queue,
+                                                        rp.rank in die, use_out, populate))
              for rp in plan.ranks if ranks is None or rp.rank in ranks]
     for p in procs:
         p.start()
@@ -191,6 +199,61 @@ def test_file_changed_after_planning(llama_dir, tmp_path, options):
     results = run_nodes(plan, options)
     assert all(isinstance(e, FileChangedError) for e in results.values()), results
     assert plan.files[0].uri in str(results[0]) and "plan again" in str(results[0])
+
+
+@pytest.mark.parametrize("nodes", (1, 2))
+def test_staged_reads_fetch_the_union_once_into_shared_memory(llama_dir, nodes):
+    """Staged (storage with no page cache to share: object storage, a direct_io mount): each node's readers read
+    every stripe of its union once, with one positional read into its stage, and every rank copies its bytes out of
+    the stages, bit for bit; nothing is left in shared memory (`run_nodes` checks)."""
+    plan = with_node_schedules(make_plan(llama_dir, 4), ["a", "b"] * 2 if nodes == 2 else ["n"] * 4, stripe_bytes=8192)
+    results = _ok(run_nodes(plan, ReaderOptions(threads=3), staged=True))
+    check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
+    for node in plan.nodes:
+        check_node_reads(plan, node, results, readers=3, was_cold=False)
+        assert not any(results[r][3]["populated"] for r in node.ranks)
+        assert all(results[r][1].backend == "cooperative" and results[r][1].staging_bytes == 0 for r in node.ranks)
+
+
+def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
+    """A file's stage is a sparse file of its size, named only until every rank of the node opened it (then nothing
+    is left behind by a rank killed); a stripe's room is allocated before its reader writes (a write through a
+    mapping into a full tmpfs would be a SIGBUS) and given back once every rank is done with it. Where shared memory
+    lacks room for the node's bytes, the stages go to the temporary directory; where neither has room, the error
+    says where, how much and what to do."""
+    plan = with_node_schedules(make_plan(llama_dir, 1), ["n"], stripe_bytes=8192)
+    sched, rp = plan.nodes[0], plan.ranks[0]
+    s = sched.stripes[0]
+    ready = ReadyMap(f"test{os.getpid()}x{time.monotonic_ns()}", sched, staged=True)
+    try:
+        stages = ready.stage(rp)
+        assert os.path.dirname(ready._stage_path(s.file)) == shm_dir()
+        assert not os.path.exists(ready._stage_path(s.file))  # its one rank opened it: unnamed
+        fd = ready.stages[s.file]
+        assert os.fstat(fd).st_size == plan.files[s.file].size and os.fstat(fd).st_blocks == 0
+        room = ready.reserve(s)
+        room[:] = 7
+        assert os.fstat(fd).st_blocks * 512 >= s.end - s.start
+        assert bool((stages[s.file][s.start : s.end] == 7).all())
+        ready.release([0])
+        if shm_dir() == "/dev/shm":  # tmpfs: the memory is given back
+            assert os.fstat(fd).st_blocks == 0
+        monkeypatch.setattr(cooperative.os, "posix_fallocate", _no_room)
+        with pytest.raises(ConfigurationError, match=r"no room to stage .*backend='exchange'"):
+            ready.reserve(sched.stripes[1])
+    finally:
+        ready.done()
+    assert not os.path.exists(ready.path)
+    monkeypatch.setattr(cooperative.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    ready = ReadyMap(f"test{os.getpid()}x{time.monotonic_ns()}", sched, staged=True)
+    try:
+        assert os.path.dirname(ready._stage_path(s.file)) == tempfile.gettempdir()
+    finally:
+        ready.done()
+
+
+def _no_room(fd, offset, length):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):

@@ -47,9 +47,10 @@ def test_options_given_explicitly_are_kept():
 def test_a_node_shares_pages_only_where_the_kernel_keeps_them():
     for kind in (LOCAL, *NETWORK):
         shared = shares_page_cache((), kind)
-        for requested in ("auto", "cooperative"):
+        for requested in ("auto", "cooperative"):  # without a page cache, CPU ranks through stages, GPUs exchange
             got = choose_backend(requested, 4, "cpu", shared)
-            assert got.backend == ("cooperative" if kind.page_cache else "exchange") and got.with_node, kind.name
+            assert got.backend == "cooperative" and got.with_node, kind.name
+            assert choose_backend(requested, 4, "cuda:0", shared).backend == "exchange" or kind.page_cache, kind.name
         assert choose_backend("auto", 1, "cpu", shared).backend == "ranged"  # alone on its node: its own ranges
         assert choose_backend("ranged", 4, "cpu", shared).backend == "ranged"  # asked for
 
@@ -65,14 +66,14 @@ def test_rows_of_split_tensors_are_gathered_where_requests_cost(netfs, llama_dir
 
 @pytest.mark.ray
 def test_a_node_without_a_page_cache_fetches_its_union_once(netfs, llama_dir, ray_local):
-    """raylazy.load tp=2 from an uncached (direct_io) mount: the node reads through the exchange, the storage
-    serves its union once (plus the headers planning and the ranks' checks read), every shard is the checkpoint's
+    """raylazy.load tp=2 from an uncached (direct_io) mount: the node reads through stages in shared memory, the
+    storage serves its union once (plus the headers planning and the ranks' checks read), every shard is the checkpoint's
     slice, and the stats and summary say what storage was read and how."""
     fs = netfs(llama_dir, mode="direct", latency_s=0.001)
     tp, cfg = 2, model_config(llama_dir)
     with raylazy.load(fs.mountpoint, tp, device="cpu", progress=False) as loaded:
         served = fs.stats()["bytes"]
-        assert {(s.backend, s.storage) for s in loaded.stats} == {("exchange", "fuse")}
+        assert {(s.backend, s.storage) for s in loaded.stats} == {("cooperative", "fuse")}
         assert "fuse:" in loaded.summary() and "in flight" in loaded.summary()
         full = reference_tensors(llama_dir)
         for rank in range(tp):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import tempfile
 import time
 from collections import Counter
 
@@ -30,6 +31,7 @@ from raylazy.errors import (
     ReadError,
     StorageAccessError,
 )
+from raylazy.io.cooperative import shm_dir
 from raylazy.io.nodes import shares_page_cache
 from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
@@ -230,23 +232,27 @@ def test_environment_configures_the_client(s3, s3_llama, llama_dir, monkeypatch)
     assert [rp.tensors for rp in plan.ranks] == [rp.tensors for rp in make_plan(llama_dir, 2).ranks]
 
 
-def test_node_backends_exchange_object_storage(s3_llama):
+def test_node_backends_on_object_storage(s3_llama):
     from raylazy.core.plans import FileRef
 
     ref = (FileRef(uri=f"{s3_llama}/model.safetensors", size=1, digest=""),)
-    # no page cache to share: a node's ranks fetch each stripe once and exchange it; a rank alone reads ranged
+    # no page cache to share: a node's CPU ranks fetch each stripe once into shared memory and copy out of it, GPU
+    # ranks exchange it; a rank alone reads ranged
     shared = shares_page_cache(ref)
     assert not shared
-    assert {choose_backend(b, 4, d, shared).backend for b in ("auto", "cooperative", "exchange")
-            for d in ("cpu", "cuda")} == {"exchange"}
+    assert {choose_backend(b, 4, "cpu", shared).backend for b in ("auto", "cooperative")} == {"cooperative"}
+    assert {choose_backend(b, 4, "cuda", shared).backend for b in ("auto", "cooperative")} == {"exchange"}
+    assert choose_backend("exchange", 4, "cpu", shared).backend == "exchange"
     assert choose_backend("auto", 1, "cpu", shared).backend == "ranged"
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["auto", "ranged"])
+@pytest.mark.parametrize("backend", ["auto", "exchange", "ranged"])
 def test_load_from_s3(ray_local, s3, s3_llama, llama_dir, backend):
     s3.reset()
+    stages = lambda: {n for d in (shm_dir(), tempfile.gettempdir()) for n in os.listdir(d) if n.endswith(".stage")}  # noqa: E731
+    before = stages()
     with raylazy.load(s3_llama, 2, storage_options=s3.storage_options, max_gap=0, device="cpu", backend=backend,
                       stripe_bytes=65536) as loaded:
         counts = s3.reset()
@@ -256,8 +262,9 @@ def test_load_from_s3(ray_local, s3, s3_llama, llama_dir, backend):
         heads = Counter((n, f"bytes=0-{HEAD_BYTES - 1}") for n in [*files, INDEX_NAME, "config.json"])
         assert gets & heads == heads  # the driver's; the ranks open planned objects without a request
         data = gets - heads
-        if backend == "auto":  # two ranks on one node: each stripe fetched once for both, as one request
-            assert {s.backend for s in loaded.stats} == {"exchange"}
+        if backend != "ranged":  # two ranks on one node: each stripe fetched once for both, as one request
+            assert {s.backend for s in loaded.stats} == {"cooperative" if backend == "auto" else "exchange"}
+            assert stages() == before  # the stages in shared memory are gone with the read
             stripes = loaded.plan.nodes[0].stripes
             assert data == Counter((files[s.file], f"bytes={s.start}-{s.end - 1}") for s in stripes)
             assert sum(s.end - s.start for s in stripes) <= 1.02 * loaded.plan.checkpoint_bytes

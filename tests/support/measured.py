@@ -77,6 +77,9 @@ class SyscallLog:
                     log.populated.append((path, offset, offset + length))
                 return libc.madvise(addr, length, advice)
 
+            def __getattr__(self, name):  # the other calls as they are
+                return getattr(libc, name)
+
         os.pread, os.preadv, mapping._libc = logged_pread, logged_preadv, Libc()
         return self
 
