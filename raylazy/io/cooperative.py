@@ -68,7 +68,7 @@ from .mapping import mapped_files, populate, populates, prefault, punch_hole, un
 from .ranged import gap_bytes, read_part
 from .stats import Counter, Meter, Progress, ReadStats
 
-PENDING, READY, FAILED = 0, 1, 2
+READY, FAILED = 1, 2  # a stripe's state in the ready map; 0, pending, is what a new map is filled with
 
 
 def read_rank_cooperative(

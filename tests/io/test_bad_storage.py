@@ -94,9 +94,10 @@ def rewrite(model_dir: str) -> None:
 
 #: The fault matrix (docs/reliability.md): each read path in each mode of the emulated mount it runs in ("cached":
 #: pages kept, NFS-like; "direct": direct_io, a bucket mount), and each fault, with the error it ends in (None:
-#: exact shards). Cooperative reads map the files: a direct_io mount refuses a mapping, so the decision exchanges.
-PATHS = [("cached", "ranged"), ("direct", "ranged"), ("cached", "cooperative"), ("cached", "fastsafetensors"),
-         ("direct", "fastsafetensors"), ("cached", "vllm"), ("direct", "vllm")]
+#: exact shards). Cooperative reads on the cached mount read their keeps out of the page cache; on the direct one
+#: (no page cache to share) they fetch the node's stripes into stages in shared memory.
+PATHS = [("cached", "ranged"), ("direct", "ranged"), ("cached", "cooperative"), ("direct", "cooperative"),
+         ("cached", "fastsafetensors"), ("direct", "fastsafetensors"), ("cached", "vllm"), ("direct", "vllm")]
 FAULTS = {"stall": StorageStallError, "eio": ReadError, "short": None, "truncate": (FileChangedError, ReadError),
           "replace": FileChangedError}
 

@@ -42,7 +42,7 @@ from tests.support.measured import (
     needed_pages,
     pages,
 )
-from tests.support.planlib import as_bytes
+from tests.support.planlib import as_bytes, read_ranges
 from tests.support.raytest import check_loaded, check_ranks
 
 
@@ -213,6 +213,11 @@ def test_staged_reads_fetch_the_union_once_into_shared_memory(llama_dir, nodes):
         check_node_reads(plan, node, results, readers=3, was_cold=False)
         assert not any(results[r][3]["populated"] for r in node.ranks)
         assert all(results[r][1].backend == "cooperative" and results[r][1].staging_bytes == 0 for r in node.ranks)
+        for r in node.ranks:  # the bytes of its reads inside stripes its node's other ranks read
+            others = [s for s in node.stripes if s.reader != r]
+            received = sum(max(0, min(off + n, s.end) - max(off, s.start)) for t in plan.ranks[r].tensors
+                           for x in t.reads for off, _, n in read_ranges(x) for s in others if s.file == x.file)
+            assert results[r][1].bytes_received == received, r
 
 
 def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
@@ -239,17 +244,22 @@ def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
         if shm_dir() == "/dev/shm":  # tmpfs: the memory is given back
             assert os.fstat(fd).st_blocks == 0
         monkeypatch.setattr(cooperative.os, "posix_fallocate", _no_room)
-        with pytest.raises(ConfigurationError, match=r"no room to stage .*backend='exchange'"):
+        with pytest.raises(ConfigurationError, match=r"no room to stage .*backend='exchange'") as err:
             ready.reserve(sched.stripes[1])
+        t = sched.stripes[1]
+        union = sum(x.end - x.start for x in sched.stripes)
+        assert f"bytes {t.start}-{t.end} of file {t.file}" in str(err.value) and f"{union} bytes in all" in str(err.value)
     finally:
         ready.done()
     assert not os.path.exists(ready.path)
-    monkeypatch.setattr(cooperative.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
-    ready = ReadyMap(f"test{os.getpid()}x{time.monotonic_ns()}", sched, staged=True)
-    try:
-        assert os.path.dirname(ready._stage_path(s.file)) == tempfile.gettempdir()
-    finally:
-        ready.done()
+    union = sum(x.end - x.start for x in sched.stripes)
+    for free, folder in ((union, shm_dir()), (union - 1, tempfile.gettempdir())):  # room for the node's bytes, or not
+        monkeypatch.setattr(cooperative.os, "statvfs", lambda path, free=free: SimpleNamespace(f_bavail=free, f_frsize=1))
+        ready = ReadyMap(f"test{os.getpid()}x{time.monotonic_ns()}", sched, staged=True)
+        try:
+            assert os.path.dirname(ready._stage_path(s.file)) == folder
+        finally:
+            ready.done()
 
 
 def _no_room(fd, offset, length):
