@@ -178,7 +178,7 @@ class RankMixin:
 
     def forget_load(self, load_id: str) -> None:
         """After a failed cooperative load `load_id`: remove what it left on this node (its ready map)."""
-        from ..io.cooperative import remove_ready_maps
+        from ..io.shared import remove_ready_maps
 
         remove_ready_maps(load_id)
 

@@ -27,9 +27,10 @@ import raylazy
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
-from raylazy.io import cooperative
-from raylazy.io.cooperative import ReadyMap, read_rank_cooperative, shm_dir
+from raylazy.io import shared
+from raylazy.io.cooperative import read_rank_cooperative
 from raylazy.io.nodes import node_read
+from raylazy.io.shared import ReadyMap, shm_dir
 from raylazy.io.stats import io_delta, proc_io
 from raylazy.planning import make_plan
 from tests.support import RANK_PROCESSES
@@ -243,7 +244,7 @@ def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
         ready.release([0])
         if shm_dir() == "/dev/shm":  # tmpfs: the memory is given back
             assert os.fstat(fd).st_blocks == 0
-        monkeypatch.setattr(cooperative.os, "posix_fallocate", _no_room)
+        monkeypatch.setattr(shared.os, "posix_fallocate", _no_room)
         with pytest.raises(ConfigurationError, match=r"no room to stage .*backend='exchange'") as err:
             ready.reserve(sched.stripes[1])
         t = sched.stripes[1]
@@ -254,7 +255,7 @@ def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
     assert not os.path.exists(ready.path)
     union = sum(x.end - x.start for x in sched.stripes)
     for free, folder in ((union, shm_dir()), (union - 1, tempfile.gettempdir())):  # room for the node's bytes, or not
-        monkeypatch.setattr(cooperative.os, "statvfs", lambda path, free=free: SimpleNamespace(f_bavail=free, f_frsize=1))
+        monkeypatch.setattr(shared.os, "statvfs", lambda path, free=free: SimpleNamespace(f_bavail=free, f_frsize=1))
         ready = ReadyMap(f"test{os.getpid()}x{time.monotonic_ns()}", sched, staged=True)
         try:
             assert os.path.dirname(ready._stage_path(s.file)) == folder

@@ -31,9 +31,9 @@ from raylazy.errors import (
     ReadError,
     StorageAccessError,
 )
-from raylazy.io.cooperative import shm_dir
 from raylazy.io.nodes import shares_page_cache
 from raylazy.io.ranged import read_rank_ranged
+from raylazy.io.shared import shm_dir
 from raylazy.planning import make_plan
 from raylazy.storage import open_checkpoint, open_source, storage_for
 from raylazy.storage.objects import HEAD_BYTES, ObjectSource, ObjectStorage
