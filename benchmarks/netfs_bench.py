@@ -13,9 +13,9 @@ from the moment all are told to go until the last is done. Loaders:
 - `cooperative`: `raylazy.io.cooperative.read_rank_cooperative`, the node's union once through the page cache
   (it maps the files: an uncached mount refuses it too);
 - `raylazy`: what `raylazy.load` reads a node with (the node-read driver, `raylazy.io.nodes.node_reads`, on the
-  reader options shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage (cooperative,
-  through the page cache, or without one through stages in shared memory), as many requests in flight and as large
-  as the kind's cost model says;
+  reader options shaped for the mount's kind, `ReaderOptions.shaped`): the backend it picks for the storage
+  (cooperative, through the page cache, or without one through stages in shared memory), as many requests in flight
+  and as large as the kind's cost model says;
 - `exchange`: the same, the node read by the exchange (gloo here; what GPU ranks read a mount without a page cache
   with, over NCCL).
 

@@ -217,7 +217,8 @@ class Bench:
             if res["digest"]:
                 self.digests.setdefault((tp, r), set()).add(res["digest"])
         slowest = max(results, key=lambda res: res["seconds"])
-        self._count(dict(slowest, digest=None, cpu_s=sum(res["cpu_s"] for res in results)), dict(loader=loader, mode="node", tp=tp, rank=f"0-{tp - 1}",
+        self._count(dict(slowest, digest=None, cpu_s=sum(res["cpu_s"] for res in results)),
+                    dict(loader=loader, mode="node", tp=tp, rank=f"0-{tp - 1}",
                                                      needed=union if loader == "get" else plan.bytes_needed))
 
     def direct_get(self, tp: int) -> None:
@@ -306,13 +307,15 @@ def _line(r: dict) -> str:
     secs = f"{r['seconds']:.2f} s" if r["seconds"] is not None else "-"
     rate = f", {r['needed'] / r['seconds'] / 1e9:.2f} GB/s" if r["seconds"] and r["needed"] else ""
     cpu = f", CPU {r['cpu_s']:.2f} s" if r.get("cpu_s") is not None else ""
-    return (f"{r['loader']:>14} {r['mode']:>6} tp={r['tp']} rank {r['rank']}: {secs}{rate}{cpu}, {r['bytes'] / 1e6:.1f} MB "
+    return (f"{r['loader']:>14} {r['mode']:>6} tp={r['tp']} rank {r['rank']}: {secs}{rate}{cpu}, "
+            f"{r['bytes'] / 1e6:.1f} MB "
             f"in {r['requests']} requests (at most {r['in_flight']} at once)")
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| loader | per | tp | rank | seconds | est. s | GB/s | CPU s | MB needed | MB fetched | x needed | requests | "
-             "most in flight |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| loader | per | tp | rank | seconds | est. s | GB/s | CPU s | MB needed | MB fetched | x needed | "
+             "requests | most in flight |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         secs = f"{r['seconds']:.2f}" if r["seconds"] is not None else ""
         est = f"{r['estimate']:.2f}" if r.get("estimate") is not None else ""
@@ -320,7 +323,8 @@ def table(rows: list[dict]) -> str:
         needed = f"{r['needed'] / 1e6:.1f}" if r["needed"] else ""
         ratio = f"{r['bytes'] / r['needed']:.2f}" if r["needed"] else ""
         cpu = f"{r['cpu_s']:.2f}" if r.get("cpu_s") is not None else ""
-        lines.append(f"| {r['loader']} | {r['mode']} | {r['tp']} | {r['rank']} | {secs} | {est} | {rate} | {cpu} | {needed} | "
+        lines.append(f"| {r['loader']} | {r['mode']} | {r['tp']} | {r['rank']} | {secs} | {est} | {rate} | {cpu} | "
+                     f"{needed} | "
                      f"{r['bytes'] / 1e6:.1f} | {ratio} | {r['requests']} | {r['in_flight']} |")
     return "\n".join(lines)
 

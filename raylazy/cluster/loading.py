@@ -150,8 +150,8 @@ class Load:
         try:
             return plan, self._wait_reads(calls, plan)
         except BaseException:
-            # cooperative stripe readers that died never counted themselves done: the ranks alive remove the
-            # node's ready map (from /dev/shm); best effort, a few seconds at most
+            # cooperative ranks that died never counted themselves done: the ranks alive remove the node's ready
+            # map and stages (from /dev/shm); best effort, a few seconds at most
             if plan.nodes:
                 forgot = [a.forget_load.remote(load_id) for a in self.group.actors]
                 ray.wait(forgot, num_returns=len(forgot), timeout=5)

@@ -35,12 +35,12 @@ def choose_backend(requested: str, peers: int, device: str, page_cache: bool, no
     node read its union once, through the page cache on the CPU ("cooperative") or with stripes exchanged on a GPU
     ("exchange"). Without a page cache to share (object storage, a FUSE mount serving direct_io) CPU ranks read
     "cooperative" from stages, the node's bytes fetched once into shared memory, and GPU ranks (or consumers copying
-    out themselves, or "exchange" asked for) exchange. `copies_out`: the consumer copies out of the files' mappings itself (lazy
-    weights): "cooperative" is then those copies, the page cache shared by their page faults, for a rank alone too
-    (asked for "auto", reading straight into a destination what it takes whole). fastsafetensors with `nogds` None
-    on a shared node gets nogds=True (GDS is for one process per device). Not `mappable`: "auto" reads "ranged"
-    where it would copy out of the mappings (each rank's reads through the shared page cache), and the consumer
-    that copies out of them itself reads its regions instead ("cooperative" asked for included); asked for,
+    out themselves, or "exchange" asked for) exchange. `copies_out`: the consumer copies out of the files' mappings
+    itself (lazy weights): "cooperative" is then those copies, the page cache shared by their page faults, for a
+    rank alone too (asked for "auto", reading straight into a destination what it takes whole). fastsafetensors with
+    `nogds` None on a shared node gets nogds=True (GDS is for one process per device). Not `mappable`: "auto" reads
+    "ranged" where it would copy out of the mappings (each rank's reads through the shared page cache), and the
+    consumer that copies out of them itself reads its regions instead ("cooperative" asked for included); asked for,
     "cooperative" keeps its node read on the CPU, its keepers reading their bytes out of the page cache with reads
     (on a GPU, where they would copy out of the mappings, the node exchanges)."""
     nogds = True if requested == "fastsafetensors" and nogds is None and peers > 1 else nogds

@@ -158,7 +158,8 @@ def _reading(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], loader
 def _together(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], name: str, seen: dict,
               shards: tuple[int, ...]) -> dict:
     """A node backend's figures: the node's union read once in stripes; cooperative ranks copy their shards out of
-    the page cache (or, with none, out of the stages their readers fetched the stripes into), exchanging ranks send each other what they keep of their stripes, round by round."""
+    the page cache (or, with none, out of the stages their readers fetched the stripes into), exchanging ranks send
+    each other what they keep of their stripes, round by round."""
     stripe = hw.storage.request_bytes if hw.storage.network else DEFAULT_STRIPE_BYTES
     sched = node_schedule(plan, ranks, node, stripe)
     read = _storage([(s.file, s.start, s.end) for s in sched.stripes], hw, seen)

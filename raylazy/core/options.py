@@ -92,7 +92,8 @@ class ReaderOptions(BaseModel):
     #: Pipeline depth. ranged: staging buffers in flight = queue_size + 2 (-1 = serial).
     #: fastsafetensors: its ParallelLoader queue (-1 serial, 0 one batch in flight, n more prefetch).
     queue_size: int = Field(0, ge=-1, le=64)
-    #: Threads issuing positional reads in each rank (ranged; exchange and staged cooperative reads: its stripe readers).
+    #: Threads issuing positional reads in each rank (ranged; exchange and staged cooperative reads: its stripe
+    #: readers).
     threads: int = Field(4, ge=1, le=64)
     #: cooperative: threads per rank that read the rank's stripes of its node's union into the page cache ahead of
     #: the copies (each stripe once, one large request). 0: none; every rank copies its bytes straight out of its

@@ -30,9 +30,9 @@ A reader that fails marks its remaining stripes failed, so its peers fail at onc
 checked against the plan first (FileChangedError); a file truncated while mapped would kill the rank's
 process (SIGBUS), which Ray then restarts and the check catches. Only local files sharing a page cache are mapped:
 on other storage (objects, a direct_io mount: `NodeRead.staged`) every rank runs `options.threads` stripe readers
-that fetch their stripes into the node's stages (`raylazy.io.shared.ReadyMap.stage`: a shared, sparse file per checkpoint file, in
-/dev/shm), and keepers copy out of those; a stripe every rank is done with is given back. On network storage,
-where a read the storage fails is a SIGBUS to a copy out of a mapping, a keeper reads its keeps with `preadv`
+that fetch their stripes into the node's stages (`raylazy.io.shared.ReadyMap.stage`: a shared, sparse file per
+checkpoint file, in /dev/shm), and keepers copy out of those; a stripe every rank is done with is given back. On
+network storage, where a read the storage fails is a SIGBUS to a copy out of a mapping, a keeper reads its keeps with `preadv`
 out of the page cache instead (`raylazy.io.ranged.read_part`; on the CPU only), its files not mapped. The
 mappings are `raylazy.io.mapping`'s.
 
@@ -219,18 +219,17 @@ def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict,
 
     gap = gap_bytes(plan)
 
-    def copy(k) -> None:  # a read in flight while it runs: its page faults may wait on storage
+    def copy(k) -> None:
         f, flat = k.part.read.file, buffers[k.tensor][0]
-        if ready is not None and ready.staged:  # out of shared memory: nothing waits on storage
+        if ready is not None and ready.staged:  # out of the stages in shared memory: nothing waits on storage
             _copy_keep(flat, maps[f], k.part)
-            counter.add(k.part.bytes_needed)
-            return
-        with reading(sources[f], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of the page cache "
-                                 f"(bytes from {k.part.read.offset})"):
-            if f in maps:
-                _copy_keep(flat, maps[f], k.part)
-            else:
-                read_part(sources[f], k.part, memoryview(flat.numpy()), 0, gap)
+        else:  # a read in flight while it runs: its page faults may wait on storage
+            with reading(sources[f], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of the page "
+                                     f"cache (bytes from {k.part.read.offset})"):
+                if f in maps:
+                    _copy_keep(flat, maps[f], k.part)
+                else:
+                    read_part(sources[f], k.part, memoryview(flat.numpy()), 0, gap)
         counter.add(k.part.bytes_needed)
 
     if ready is None:  # the copies' page faults read the pages, each once for the node (the page cache)

@@ -1,7 +1,8 @@
 """Files as memory maps: a local file's whole mapping as a tensor (`mapped`), a region's box as a view of it
 (`mapped_box`, where `box_mappable`), its pages brought into the page cache ahead of the copies out of it
-(`populate`, `populating`), asked whether they are there (`pages_in_cache`, `in_page_cache`, `cached_share`), and
-unmapped off the caller's thread (`unmap_later`), and a file's memory given back (`punch_hole`). The cooperative backend and the serving of regions both use them."""
+(`populate`, `populating`; written ones' page tables filled ahead, `prefault`), asked whether they are there
+(`pages_in_cache`, `in_page_cache`, `cached_share`), unmapped off the caller's thread (`unmap_later`), and a
+file's memory given back (`punch_hole`). The cooperative backend, its stages and the serving of regions use them."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class ReadyMap:
                 if have == 0:  # the first rank here: size it (zero-filled: every stripe pending)
                     os.ftruncate(self.fd, size)
                     os.pwrite(self.fd, n.to_bytes(8, "little"), 8)
-                    os.pwrite(self.fd, self._room(sched).to_bytes(8, "little"), 24)
+                    os.pwrite(self.fd, self._room().to_bytes(8, "little"), 24)
                 elif have != size or int.from_bytes(os.pread(self.fd, 8, 8), "little") != n:
                     raise ReadError(f"{self.path}: a ready map of another schedule ({have} bytes, {size} expected); "
                                     "two loads share a load id: load again")
@@ -47,23 +47,22 @@ class ReadyMap:
         except BaseException:
             os.close(self.fd)
             raise
+        where = int.from_bytes(self.mm[24:32], "little")  # the first rank's choice
+        self.folder = shm_dir() if where == self.SHM else tempfile.gettempdir()
         self.counts = np.frombuffer(self.mm, dtype=np.uint16, count=n, offset=self.HEADER)
         self.flags = np.frombuffer(self.mm, dtype=np.uint8, offset=self.HEADER + 2 * n)
         self.stages: dict[int, int] = {}  # file -> its stage's descriptor
         self._stage_maps: dict = {}
 
-    def _room(self, sched: NodeSchedule) -> int:
+    def _room(self) -> int:
         """Where the stages go: shm_dir() where it has room for the node's bytes, else the temporary directory."""
         if not self.staged:
             return 0
         free = os.statvfs(shm_dir())
-        union = sum(s.end - s.start for s in sched.stripes)
-        return self.SHM if free.f_bavail * free.f_frsize >= union else self.TEMP
+        return self.SHM if free.f_bavail * free.f_frsize >= self.sched.nbytes else self.TEMP
 
     def _stage_path(self, f: int) -> str:
-        where = int.from_bytes(self.mm[24:32], "little")
-        folder = shm_dir() if where == self.SHM else tempfile.gettempdir()
-        return os.path.join(folder, f"{os.path.basename(self.prefix)}-{f}.stage")
+        return os.path.join(self.folder, f"{os.path.basename(self.prefix)}-{f}.stage")
 
     def stage(self, plan: RankPlan) -> dict:
         """Each file of the node's stripes as a uint8 tensor over a shared mapping of its stage ({file: tensor}),
@@ -91,10 +90,10 @@ class ReadyMap:
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            free = os.statvfs(os.path.dirname(self._stage_path(s.file)))
+            free = os.statvfs(self.folder)
             raise ConfigurationError(
                 f"{self._stage_path(s.file)}: no room to stage bytes {s.start}-{s.end} of file {s.file} of node "
-                f"{self.sched.node}'s read ({sum(x.end - x.start for x in self.sched.stripes)} bytes in all, "
+                f"{self.sched.node}'s read ({self.sched.nbytes} bytes in all, "
                 f"{free.f_bavail * free.f_frsize} free): give {shm_dir()} more room, or read with "
                 "backend='exchange'") from None
         staged = self._stage_maps[s.file][s.start : s.end]

@@ -164,8 +164,7 @@ def requested(source: Source | str, what: str) -> Iterator[None]:
     with _LOCK:
         load.in_flight[key] = Request(time.monotonic(), source, what)
     try:
-        if load.aborted:
-            raise given_up(source.uri)
+        check_given_up(source.uri)
         source.check_aborted()
         yield
     finally:
