@@ -274,22 +274,40 @@ def hold(model_dir: str, *, nodes: int | list[str] | None = None, budget_bytes: 
 
 def find(model_dir_or_name: str) -> HeldModel | None:
     """The holders of a checkpoint (its root as planned, or a holder's name) in this cluster, None where none is."""
-    import ray
 
     key = model_dir_or_name.split(":")[1] if model_dir_or_name.startswith("raylazy-holder:") else \
         checkpoint_key(model_dir_or_name)
-    actors = {n.rsplit(":", 1)[1]: ray.get_actor(n, namespace=NAMESPACE) for n in _names(key)}
-    if not actors:
+    alive = _answering(_names(key))
+    if not alive:
         return None
-    info = ray.get(next(iter(actors.values())).info.remote())
-    return HeldModel(info.root, info.identity, actors)
+    info = next(iter(alive.values()))[1]
+    return HeldModel(info.root, info.identity, {n.rsplit(":", 1)[1]: a for n, (a, _) in alive.items()})
 
 
 def holders() -> list[HolderInfo]:
     """Every holder in this cluster (`raylazy hold --list`)."""
+    return [info for _, info in _answering(_names("")).values()]
+
+
+def _answering(names: list[str]) -> dict[str, tuple[Any, HolderInfo]]:
+    """The holders named, with their infos, that still answer: one that released itself (or was released) after
+    it was listed is gone, and left out."""
     import ray
 
-    return ray.get([ray.get_actor(n, namespace=NAMESPACE).info.remote() for n in _names("")])
+    asked = {}
+    for n in names:
+        try:
+            actor = ray.get_actor(n, namespace=NAMESPACE)
+        except ValueError:  # gone since it was listed
+            continue
+        asked[n] = (actor, actor.info.remote())
+    alive = {}
+    for n, (actor, ref) in asked.items():
+        try:
+            alive[n] = (actor, ray.get(ref))
+        except ray.exceptions.RayActorError:  # died since it was listed
+            continue
+    return alive
 
 
 def take(root: str, ident: str, timeout_s: float) -> tuple[Held, str]:
