@@ -25,7 +25,7 @@ from .dtypes import DTYPE_BITS
 from .hardware import Hardware, hardware_from
 from .options import DEFAULT_STRIPE_BYTES
 from .plans import Plan, format_bytes
-from .schedule import PAGE, node_schedule, node_union, rank_keeps
+from .schedule import PAGE, coalesce, minus, node_schedule, node_union, rank_keeps
 
 LOADERS = ("raylazy", "naive", "vllm")
 #: Reader threads of a rank on local storage (`ReaderOptions.threads`); on network storage, the storage's connections.
@@ -161,11 +161,14 @@ def _together(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], name:
     the page cache (or, with none, out of the stages their readers fetched the stripes into), exchanging ranks send
     each other what they keep of their stripes, round by round."""
     stripe = hw.storage.request_bytes if hw.storage.network else DEFAULT_STRIPE_BYTES
-    sched = node_schedule(plan, ranks, node, stripe)
+    staged = name == "cooperative" and not hw.storage.page_cache
+    sched = node_schedule(plan, ranks, node, stripe, direct=staged)
     read = _storage([(s.file, s.start, s.end) for s in sched.stripes], hw, seen)
-    if name == "cooperative":  # one page-fault stream a rank; staged (no page cache), the readers' threads
+    if name == "cooperative":  # one page-fault stream a rank; staged, the readers' threads, direct stripes not copied
         streams = dict(depth=min(hw.storage.connections, len(ranks))) if hw.storage.page_cache else {}
-        return read | streams | dict(copy_bytes=shards)
+        direct = [sched.stripes[i] for i in sched.direct]
+        return read | streams | dict(copy_bytes=tuple(n - sum(s.end - s.start for s in direct if s.reader == r)
+                                                      for r, n in zip(ranks, shards)))
     keeps = {r: rank_keeps(plan, sched, r) for r in ranks}
     reader = [s.reader for s in sched.stripes]
     got = tuple(sum(k.part.bytes_needed for k in keeps[r] if reader[k.stripe] != r) for r in ranks)
@@ -189,41 +192,14 @@ def _storage(spans: list[tuple[int, int, int]], hw: Hardware, seen: dict) -> dic
         by_file.setdefault(f, []).append((a - a % PAGE, -(-b // PAGE) * PAGE))
     nbytes = requests = 0
     for f, got in by_file.items():
-        union = _union(got)
+        union = coalesce(got)
         if hw.costs.shared_host:
-            new = _minus(union, seen.get(f, []))
-            seen[f] = _union(seen.get(f, []) + union)
+            new = minus(union, seen.get(f, []))
+            seen[f] = coalesce(seen.get(f, []) + union)
             union = new
         nbytes += sum(b - a for a, b in union)
         requests += sum(-(-(b - a) // part) for a, b in union)
     return {"storage_bytes": nbytes, "requests": requests}
-
-
-def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _minus(spans: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted disjoint `spans` less sorted disjoint `cut`."""
-    out = []
-    for a, b in spans:
-        for c, d in cut:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if a < b:
-            out.append((a, b))
-    return out
 
 
 def _replicas(plan: Plan, ids: list[str], node: str, ranks: list[int], first: int, live: bool) -> dict:

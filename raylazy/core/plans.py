@@ -190,17 +190,25 @@ class NodeSchedule(_Frozen):
     """One node's cooperative reads (`raylazy.core.schedule.node_schedule`): the page-rounded, coalesced union of
     the bytes its ranks need, cut into `stripes` of at most `stripe_bytes`, each read once by one of its
     `ranks` (global ranks; the local rank is the index). Stripes are sorted by (file, start) and disjoint;
-    each reader's stripes are one contiguous run of the union, so it reads sequentially."""
+    each reader's stripes are one contiguous run of the union, so it reads sequentially, but for `direct`: the
+    indices of stripes only their reader keeps bytes of, inside one contiguous read of its shards, which it reads
+    straight into the shard (staged cooperative reads; `node_schedule(direct=True)`)."""
 
     node: str
     ranks: tuple[int, ...]
     stripe_bytes: int
     stripes: tuple[Stripe, ...]
+    direct: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         """Bytes the node reads from storage (the page-rounded union)."""
         return sum(s.end - s.start for s in self.stripes)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes the node stages, staged: all it reads but its direct stripes'."""
+        return self.nbytes - sum(self.stripes[i].end - self.stripes[i].start for i in self.direct)
 
     def read_by(self, rank: int) -> tuple[int, ...]:
         """Indices of the stripes `rank` reads, in order."""

@@ -199,23 +199,31 @@ def node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None
 
 
 def node_schedule(plan: Plan, ranks: Sequence[int], node: str = "node", stripe_bytes: int = DEFAULT_STRIPE_BYTES,
-                  page: int = PAGE, max_gap: int = 0) -> NodeSchedule:
+                  page: int = PAGE, max_gap: int = 0, direct: bool = False) -> NodeSchedule:
     """The stripes node `node` reads for its `ranks`: the page-rounded, coalesced union of the bytes they need
     (each byte once, however many ranks keep it), split into len(ranks) contiguous byte-balanced runs (one per
     reader, in rank order) and cut into stripes of at most `stripe_bytes` (rounded down to whole pages).
 
     `max_gap` > 0 also reads gaps of at most that many bytes between needed pages, for fewer, larger stripes
-    (a node holding half of every row of a row-parallel weight: one stripe run instead of one per row)."""
+    (a node holding half of every row of a row-parallel weight: one stripe run instead of one per row).
+
+    `direct`: the whole pages inside one contiguous read of a rank that no other rank of the node needs (a
+    column-parallel weight's block) are stripes of their own, read by that rank straight into its shard
+    (`NodeSchedule.direct`); only the rest of the union is balanced between the readers."""
     if stripe_bytes < page:
         raise ConfigurationError(f"stripe_bytes must be at least one page ({page}), got {stripe_bytes}")
     stripe_bytes -= stripe_bytes % page
     ranks = tuple(ranks)
     union = node_union(plan, ranks, page, max_gap)
-    total = sum(e - s for spans in union.values() for s, e in spans)
-    stripes: list[Stripe] = []
-    k, done = 0, 0  # the current reader (index into ranks) and the union bytes before the current span
-    for f in sorted(union):
-        for start, end in union[f]:
+    owned = _owned(plan, ranks, page) if direct and len(ranks) > 1 else {}
+    shared = {f: minus(spans, owned.get(f, [])) for f, spans in union.items()}
+    total = sum(e - s for spans in shared.values() for s, e in spans)
+    direct_stripes = {Stripe(f, a, min(a + stripe_bytes, end), reader) for f, spans in owned.items()
+                      for start, end, reader in spans for a in range(start, end, stripe_bytes)}
+    stripes = list(direct_stripes)
+    k, done = 0, 0  # the current reader (index into ranks) and the shared bytes before the current span
+    for f in sorted(shared):
+        for start, end in shared[f]:
             pos = start
             while pos < end:
                 # the reader's run ends at the next balanced cut, rounded down to a page (not before pos)
@@ -231,7 +239,49 @@ def node_schedule(plan: Plan, ranks: Sequence[int], node: str = "node", stripe_b
                     stripes.append(Stripe(f, a, min(a + stripe_bytes, cut), ranks[k]))
                 pos = cut
             done += end - start
-    return NodeSchedule.model_construct(node=node, ranks=ranks, stripe_bytes=stripe_bytes, stripes=tuple(stripes))
+    stripes.sort(key=lambda s: (s.file, s.start))
+    return NodeSchedule.model_construct(node=node, ranks=ranks, stripe_bytes=stripe_bytes, stripes=tuple(stripes),
+                                        direct=tuple(i for i, s in enumerate(stripes) if s in direct_stripes))
+
+
+def _owned(plan: Plan, ranks: tuple[int, ...], page: int) -> dict[int, list[tuple[int, int, int]]]:
+    """file -> sorted, disjoint (start, end, rank): the whole pages inside one contiguous read of `rank` that no
+    other of `ranks` needs a byte of (a span never crosses from one read into another)."""
+    alone = {r: node_union(plan, [r], page) for r in ranks}
+    owned: dict[int, list[tuple[int, int, int]]] = {}
+    for r in ranks:
+        inner: dict[int, list[tuple[int, int]]] = {}
+        for t in plan.ranks[r].tensors:
+            for rd in t.reads:
+                a, b = -(-rd.offset // page) * page, (rd.offset + rd.length) // page * page
+                if rd.count == 1 and a < b:
+                    inner.setdefault(rd.file, []).append((a, b))
+        for f, spans in inner.items():
+            others = coalesce([x for q in ranks if q != r for x in alone[q].get(f, [])], 0)
+            disjoint, end = [], 0  # a rank's reads of the same bytes twice: each byte in one span
+            for a, b in sorted(spans):
+                if b > max(a, end):
+                    disjoint.append((max(a, end), b))
+                    end = b
+            owned.setdefault(f, []).extend((a, b, r) for a, b in minus(disjoint, others))
+    return {f: sorted(spans) for f, spans in owned.items()}
+
+
+def minus(spans: list[tuple[int, int]], cut) -> list[tuple[int, int]]:
+    """Sorted, disjoint `spans` less sorted, disjoint `cut` (whose items may carry more fields after start, end)."""
+    out, j = [], 0
+    for a, b in spans:
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k][0] < b:
+            if cut[k][0] > a:
+                out.append((a, cut[k][0]))
+            a = max(a, cut[k][1])
+            k += 1
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def node_union(plan: Plan, ranks: Sequence[int], page: int = PAGE, max_gap: int = 0) -> dict[int, list[tuple[int, int]]]:
@@ -254,13 +304,13 @@ def node_union(plan: Plan, ranks: Sequence[int], page: int = PAGE, max_gap: int 
                     x = 0
                 combs.setdefault((r.file, r.offset - x, r.stride, r.count), []).append((x, r.length))
     for (f, base, stride, count), pieces in combs.items():
-        pattern = _coalesce([(x, x + n) for x, n in pieces], 0)
+        pattern = coalesce([(x, x + n) for x, n in pieces], 0)
         gaps = [b[0] - a[1] for a, b in zip(pattern, pattern[1:])] + [stride - pattern[-1][1] + pattern[0][0]]
         if max(gaps) < max(page, max_gap + 1):  # every page from the first needed byte to the last is read
             spans.setdefault(f, []).append((base + pattern[0][0], base + (count - 1) * stride + pattern[-1][1]))
         else:
             spans.setdefault(f, []).extend(_rows(base, stride, count, pattern, page))
-    return {f: _coalesce([(a - a % page, min(-(-b // page) * page, plan.files[f].size)) for a, b in s], max_gap)
+    return {f: coalesce([(a - a % page, min(-(-b // page) * page, plan.files[f].size)) for a, b in s], max_gap)
             for f, s in spans.items()}
 
 
@@ -277,7 +327,7 @@ def _rows(base: int, stride: int, count: int, pattern: list[tuple[int, int]], pa
     return list(zip(starts[np.r_[0, new]].tolist(), ends[np.r_[new - 1, len(ends) - 1]].tolist()))
 
 
-def _coalesce(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+def coalesce(spans: list[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
     """Sorted spans merged where they overlap or are at most `gap` bytes apart."""
     out: list[list[int]] = []
     for a, b in sorted(spans):

@@ -102,6 +102,7 @@ def read_rank_cooperative(
         sources = stack.enter_context(open_planned_files(plan, sorted(files), options.storage_options, sources))
         if staged:
             maps = {f: m for f, m in ready.stage(plan).items() if f in kept}
+            direct = _direct(sched, plan.rank, keeps, buffers)
         else:
             _check_local(plan, sources)
             if dev.type != "cpu" and not node_read.mapped:
@@ -109,9 +110,11 @@ def read_rank_cooperative(
                                          "of the page cache with reads, on the CPU only: use backend='exchange'")
             # network storage: read out of the page cache instead (a failed read met through a mapping is a SIGBUS)
             maps = stack.enter_context(mapped_files({f: sources[f] for f in kept} if node_read.mapped else {}))
-        readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size))
+            direct = {}
+        readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size, direct))
         with _one_intra_op_thread(torch):
-            _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s)
+            _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s,
+                  direct)
         for f in readers:
             f.result()
     stats.bytes_needed = counter.value
@@ -126,6 +129,22 @@ def read_rank_cooperative(
     stats.staging_bytes = stats.staging_buffers * size
     meter.stop(stats)
     return shards_of(plan, buffers), stats
+
+
+def _direct(sched: NodeSchedule, rank: int, keeps, buffers) -> dict:
+    """{stripe: the bytes of the shard it fills}: the node's direct stripes `rank` reads (`NodeSchedule.direct`)
+    that are one contiguous keep of its, read straight into the shard (any other is staged as usual)."""
+    by_stripe: dict[int, list] = {}
+    for k in keeps:
+        by_stripe.setdefault(k.stripe, []).append(k)
+    direct = {}
+    for i in sched.direct:
+        s, found = sched.stripes[i], by_stripe.get(i, [])
+        if s.reader == rank and len(found) == 1:
+            (r, first, n), t = found[0].part, found[0].tensor
+            if r.count == 1 and r.offset + first == s.start and n == s.end - s.start:
+                direct[i] = buffers[t][0][r.dst_offset + first : r.dst_offset + first + n].numpy()
+    return direct
 
 
 def _check_local(plan: RankPlan, sources: dict[int, Source]) -> None:
@@ -152,7 +171,7 @@ def _ready_map(load_id: str, sched: NodeSchedule, mine: tuple[int, ...], staged:
 
 @contextmanager
 def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], threads: int, sources: dict,
-                    ready: ReadyMap | None, size: int) -> Iterator[list]:
+                    ready: ReadyMap | None, size: int, direct: dict) -> Iterator[list]:
     """`threads` threads reading this rank's stripes (`_read_stripes`); yields their futures (none without
     threads); on leaving, they stop after their current stripe (on an error, this rank's stripes not yet ready are
     marked failed first)."""
@@ -162,7 +181,8 @@ def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], 
     stop, todo = threading.Event(), iter(mine)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
         try:
-            yield [pool.submit(copy_context().run, _read_stripes, plan, sched, todo, sources, ready, size, stop)
+            yield [pool.submit(copy_context().run, _read_stripes, plan, sched, todo, sources, ready, size, stop,
+                               direct)
                    for _ in range(threads)]  # each in the load's context (`raylazy.storage.Load`)
         except BaseException:
             ready.fail(mine)  # now: the peers stop waiting before a read blocked in the kernel returns
@@ -184,10 +204,10 @@ def _one_intra_op_thread(torch) -> Iterator[None]:
 
 
 def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, ready: ReadyMap, size: int,
-                  stop: threading.Event) -> None:
+                  stop: threading.Event, direct: dict) -> None:
     """One reader thread: take the next of this rank's stripes (shared iterator), bring it whole into the page
-    cache (`_populate`, else a read into a scratch buffer of `size` bytes), mark it ready; repeat until none is
-    left or `stop` is set."""
+    cache (`_populate`, else a read into a scratch buffer of `size` bytes), or staged into its stage, or a direct
+    one into the shard (`direct`), mark it ready; repeat until none is left or `stop` is set."""
     view = None
     # file -> (mapping, its address): a shared read-only mapping of the reader's own; populating through the
     # keeper's private mapping instead was slower (docs/cooperative.md, "Why no stripe readers by default")
@@ -198,7 +218,8 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
                 return
             s = sched.stripes[i]
             source = sources[s.file]
-            staged = ready.reserve(s) if ready.staged else None  # its room in shared memory, taken first
+            # its room in the shard, or in shared memory (taken first)
+            staged = direct[i] if i in direct else ready.reserve(s) if ready.staged else None
             with reading(source, f"rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end})"):
                 if staged is not None:
                     source.readinto(s.start, [staged])
@@ -211,10 +232,10 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
 
 
 def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict, ready: ReadyMap | None, buffers,
-          counter, readers: list, timeout_s: float) -> None:
+          counter, readers: list, timeout_s: float, direct: dict) -> None:
     """Copy every keep into its shard out of its file's mapping (`maps`; with reads from a file not mapped) as soon
-    as its stripe is ready (in whatever order stripes become ready); with no ready map (no stripe readers), every
-    keep at once, in stripe order."""
+    as its stripe is ready (in whatever order stripes become ready; a `direct` stripe was read into the shard);
+    with no ready map (no stripe readers), every keep at once, in stripe order."""
     import numpy as np
 
     gap = gap_bytes(plan)
@@ -222,7 +243,8 @@ def _keep(plan: RankPlan, sched: NodeSchedule, keeps, sources: dict, maps: dict,
     def copy(k) -> None:
         f, flat = k.part.read.file, buffers[k.tensor][0]
         if ready is not None and ready.staged:  # out of the stages in shared memory: nothing waits on storage
-            _copy_keep(flat, maps[f], k.part)
+            if k.stripe not in direct:  # (a direct stripe: this rank's reader read it into the shard)
+                _copy_keep(flat, maps[f], k.part)
         else:  # a read in flight while it runs: its page faults may wait on storage
             with reading(sources[f], f"rank {plan.rank} copying {plan.tensors[k.tensor].name!r} out of the page "
                                      f"cache (bytes from {k.part.read.offset})"):

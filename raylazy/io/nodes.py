@@ -49,9 +49,11 @@ def node_reads(plan: Plan, node_ids: Sequence[str], devices: Sequence[str], read
     readers = [reader.model_copy(update={"backend": c.backend, "nogds": c.nogds}) for c in choices]
     if not any(c.with_node for c in choices):
         return plan, [RankRead(r) for r in readers]
-    plan = plan.model_copy(update={"nodes": tuple(node_schedule(plan, peers, node, reader.stripe_bytes)
-                                                  for node, peers in nodes.nodes.items())})
-    backend = {plan.node_of(r).node: c.backend for r, c in enumerate(choices) if c.with_node}
+    backend = {node_ids[r]: c.backend for r, c in enumerate(choices) if c.with_node}
+    # staged (no page cache to share), the bytes one rank alone keeps go straight into its shards
+    plan = plan.model_copy(update={"nodes": tuple(
+        node_schedule(plan, peers, node, reader.stripe_bytes, direct=backend.get(node) == "cooperative" and not shared)
+        for node, peers in nodes.nodes.items())})
     meeting = [n for n in plan.nodes if backend.get(n.node) == "exchange"]
     address = dict(zip((n.node for n in meeting), meet([n.ranks[0] for n in meeting]) if meeting else ()))
     reads = {n.node: node_read(backend[n.node], plan, n, load_id, address.get(n.node, ""))

@@ -59,7 +59,7 @@ class ReadyMap:
         if not self.staged:
             return 0
         free = os.statvfs(shm_dir())
-        return self.SHM if free.f_bavail * free.f_frsize >= self.sched.nbytes else self.TEMP
+        return self.SHM if free.f_bavail * free.f_frsize >= self.sched.staged_bytes else self.TEMP
 
     def _stage_path(self, f: int) -> str:
         return os.path.join(self.folder, f"{os.path.basename(self.prefix)}-{f}.stage")
@@ -93,7 +93,7 @@ class ReadyMap:
             free = os.statvfs(self.folder)
             raise ConfigurationError(
                 f"{self._stage_path(s.file)}: no room to stage bytes {s.start}-{s.end} of file {s.file} of node "
-                f"{self.sched.node}'s read ({self.sched.nbytes} bytes in all, "
+                f"{self.sched.node}'s read ({self.sched.staged_bytes} bytes in all, "
                 f"{free.f_bavail * free.f_frsize} free): give {shm_dir()} more room, or read with "
                 "backend='exchange'") from None
         staged = self._stage_maps[s.file][s.start : s.end]

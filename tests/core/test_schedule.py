@@ -231,10 +231,12 @@ def _check_node(plan, sched, files: list[bytes], page: int) -> None:
     assert got_pages == _needed_pages(plan, sched.ranks, page)
     assert sched.nbytes == sum(min((p + 1) * page, plan.files[f].size) - p * page
                                for f, ps in got_pages.items() for p in ps)
-    readers = [s.reader for s in stripes]  # each reader's stripes are one run, readers in rank order
+    _check_direct(plan, sched, page)
+    shared = [s for i, s in enumerate(stripes) if i not in sched.direct]
+    readers = [s.reader for s in shared]  # each reader's stripes are one run, readers in rank order
     runs = [r for i, r in enumerate(readers) if i == 0 or readers[i - 1] != r]
     assert runs == sorted(set(runs), key=sched.ranks.index)
-    share = [sum(s.end - s.start for s in stripes if s.reader == r) for r in sched.ranks]
+    share = [sum(s.end - s.start for s in shared if s.reader == r) for r in sched.ranks]
     assert max(share) - min(share) <= 2 * page + sched.nbytes % len(sched.ranks), share
     for rank in sched.ranks:
         rp = plan.ranks[rank]
@@ -261,13 +263,34 @@ def _check_node(plan, sched, files: list[bytes], page: int) -> None:
             assert bytes(o) == apply_reads(t, files), f"rank {rank}: {t.name}"
 
 
+def _check_direct(plan, sched, page: int) -> None:
+    """Direct stripes are exactly the pages that lie whole inside one contiguous read of one rank and hold no byte
+    another rank of the node needs (by brute force), each read by that rank."""
+    if not sched.direct:
+        return
+    theirs = {r: _needed_pages(plan, [r], page) for r in sched.ranks}
+    want = set()
+    for r in sched.ranks:
+        for t in plan.ranks[r].tensors:
+            for x in t.reads:
+                if x.count == 1:
+                    want.update((x.file, p, r) for p in range(-(-x.offset // page), (x.offset + x.length) // page)
+                                if not any(p in theirs[q].get(x.file, ()) for q in sched.ranks if q != r))
+    got = {(s.file, p, s.reader) for s in (sched.stripes[i] for i in sched.direct)
+           for p in range(s.start // page, s.end // page)}
+    assert got == want
+    assert sched.staged_bytes == sched.nbytes - len(got) * page
+
+
 @pytest.mark.parametrize("stripe,page", [(64, 64), (96, 32), (1 << 20, 4096), (4096, 4096)])
 @pytest.mark.parametrize("tp", (1, 2, 3, 4))
-def test_node_stripes_and_keeps_in_memory(tp, stripe, page):
+@pytest.mark.parametrize("direct", (False, True))
+def test_node_stripes_and_keeps_in_memory(tp, stripe, page, direct):
     ckpt, blob = _checkpoint(SPECS)
     plan = make_plan(ckpt, tp, rules=RULES, preset=None, uneven="pad")
-    sched = node_schedule(plan, range(tp), "n", stripe, page)
+    sched = node_schedule(plan, range(tp), "n", stripe, page, direct=direct)
     assert sched.stripe_bytes == stripe and sched.ranks == tuple(range(tp))
+    assert bool(sched.direct) == (direct and tp > 1 and page <= 64), sched.direct  # whole pages in a 1,823-byte file
     _check_node(plan, sched, [blob], page)
 
 
@@ -275,13 +298,14 @@ def test_node_stripes_and_keeps_in_memory(tp, stripe, page):
 @given(
     rows=st.integers(1, 40), cols=st.integers(1, 40), size=st.sampled_from((1, 2, 4)), tp=st.integers(1, 5),
     dim=st.integers(0, 1), page=st.sampled_from((8, 16, 64)), pages=st.integers(1, 5), nodes=st.integers(1, 3),
+    direct=st.booleans(),
 )
-def test_property_node_schedule(rows, cols, size, tp, dim, page, pages, nodes):
+def test_property_node_schedule(rows, cols, size, tp, dim, page, pages, nodes, direct):
     ckpt, blob = _checkpoint({"t": ("U8" if size == 1 else "F16" if size == 2 else "F32", (rows, cols), size),
                               "r": ("U8", (7,), 1)})
     plan = make_plan(ckpt, tp, rules=[("t", Split(dim)), ("r", Replicated())], preset=None, uneven="pad")
     for r0 in range(min(nodes, tp)):
-        sched = node_schedule(plan, range(r0, tp, nodes), f"n{r0}", page * pages, page)
+        sched = node_schedule(plan, range(r0, tp, nodes), f"n{r0}", page * pages, page, direct=direct)
         _check_node(plan, sched, [blob], page)
 
 
@@ -290,6 +314,9 @@ def test_node_schedule_of_real_checkpoints(model_dir, tp):
     plan = make_plan(model_dir, tp)
     files = read_files(plan)
     _check_node(plan, node_schedule(plan, range(tp), "n", 8192), files, 4096)
+    direct = node_schedule(plan, range(tp), "n", 8192, direct=True)
+    assert direct.direct or tp > 2, "a column-parallel block is read straight into its shard"
+    _check_node(plan, direct, files, 4096)
     # two nodes: each reads only (all of) its own ranks' union
     half = node_schedules(plan, ["a"] * (tp // 2) + ["b"] * (tp - tp // 2), 8192)
     assert [n.node for n in half] == ["a", "b"]

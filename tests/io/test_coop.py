@@ -25,7 +25,7 @@ import torch
 
 import raylazy
 from raylazy.core.options import ReaderOptions
-from raylazy.core.schedule import with_node_schedules
+from raylazy.core.schedule import group_by_node, node_schedule, with_node_schedules
 from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
 from raylazy.io import shared
 from raylazy.io.cooperative import read_rank_cooperative
@@ -60,10 +60,12 @@ def _rank(rp, task, options, queue, die: bool, use_out: bool, populate: bool) ->
             from raylazy.io.buffers import shard_layout
 
             out = {t.name: torch.empty(shard_layout(t)[1], dtype=shard_layout(t)[0]) for t in rp.tensors}
-        log = SyscallLog().install()
+        log, reserve, staged = SyscallLog().install(), ReadyMap.reserve, []
+        ReadyMap.reserve = lambda ready, s: staged.append(s.end - s.start) or reserve(ready, s)
         before = proc_io()
         shards, stats = read_rank_cooperative(rp, "cpu", node_read=task, options=options, out=out or None)
-        seen = {"io": io_delta(before, proc_io()), "preadv": log.preadv, "pread": log.pread, "populated": log.populated}
+        seen = {"io": io_delta(before, proc_io()), "preadv": log.preadv, "pread": log.pread, "populated": log.populated,
+                "staged": sum(staged)}
         same = all(shards[n] is out[n] for n in out)
         sent = {n: (t.dtype, tuple(t.shape), as_bytes(t)) for n, t in shards.items()}  # plain bytes: no fd passing
         queue.put((rp.rank, (sent, stats, same, seen)))
@@ -202,17 +204,25 @@ def test_file_changed_after_planning(llama_dir, tmp_path, options):
     assert plan.files[0].uri in str(results[0]) and "plan again" in str(results[0])
 
 
+@pytest.mark.parametrize("direct", (False, True), ids=("all-staged", "direct"))
 @pytest.mark.parametrize("nodes", (1, 2))
-def test_staged_reads_fetch_the_union_once_into_shared_memory(llama_dir, nodes):
+def test_staged_reads_fetch_the_union_once_into_shared_memory(llama_dir, nodes, direct):
     """Staged (storage with no page cache to share: object storage, a direct_io mount): each node's readers read
     every stripe of its union once, with one positional read into its stage, and every rank copies its bytes out of
-    the stages, bit for bit; nothing is left in shared memory (`run_nodes` checks)."""
-    plan = with_node_schedules(make_plan(llama_dir, 4), ["a", "b"] * 2 if nodes == 2 else ["n"] * 4, stripe_bytes=8192)
+    the stages, bit for bit; nothing is left in shared memory (`run_nodes` checks). A direct stripe (bytes one rank
+    alone keeps) is read into that rank's shard and never staged."""
+    plan = make_plan(llama_dir, 4)
+    node_ids = ["a", "b"] * 2 if nodes == 2 else ["n"] * 4
+    plan = plan.model_copy(update={"nodes": tuple(node_schedule(plan, ranks, node, 8192, direct=direct)
+                                                  for node, ranks in group_by_node(node_ids).nodes.items())})
     results = _ok(run_nodes(plan, ReaderOptions(threads=3), staged=True))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
     for node in plan.nodes:
         check_node_reads(plan, node, results, readers=3, was_cold=False)
         assert not any(results[r][3]["populated"] for r in node.ranks)
+        assert bool(node.direct) == direct
+        assert sum(results[r][3]["staged"] for r in node.ranks) == node.staged_bytes == node.nbytes - sum(
+            node.stripes[i].end - node.stripes[i].start for i in node.direct)
         assert all(results[r][1].backend == "cooperative" and results[r][1].staging_bytes == 0 for r in node.ranks)
         for r in node.ranks:  # the bytes of its reads inside stripes its node's other ranks read
             others = [s for s in node.stripes if s.reader != r]
