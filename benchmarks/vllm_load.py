@@ -33,7 +33,9 @@ machine's slower spells span several runs, and a difference of medians moves wit
 stderr as JSON, with how each raylazy worker loaded ("modes": at-once, replay or rerun). The default checkpoint is
 the benchmark's Llama (benchmarks/loaders/checkpoint.py, 3 layers, head_dim 64: 0.53 GB in bf16, 1.07 GB in float32),
 built on first use; `--shape small` a smaller one of more, smaller tensors (9 layers of hidden 1024, one 0.41 GB
-file), where the fixed cost of raylazy's step (its recording pass, the node's agreement) weighs most. """
+file), where the fixed cost of raylazy's step (its recording pass, the node's agreement) weighs most.
+`--before CHECKOUT` (a git worktree of an earlier commit, say) also runs each raylazy format with that checkout's
+raylazy, as `FORMAT@before`, in the same alternation, and the paired lines compare the two. """
 
 from __future__ import annotations
 
@@ -160,15 +162,19 @@ def prepare(files: list[str], cache: str):
 
 
 def measure(model: str, spec: str, tp: int, cache: str, dtype: str, device: Device | None,
-            files: list[str] | None = None, env: dict[str, str] | None = None, python: str = sys.executable) -> dict:
+            files: list[str] | None = None, env: dict[str, str] | None = None, python: str = sys.executable,
+            before: str | None = None) -> dict:
     """One engine's run (`--one`, run by `python` with `env` added) with the cache state `cache` made of `files`
-    (default: the checkpoint's), and what `device` (None: none) read meanwhile."""
+    (default: the checkpoint's), and what `device` (None: none) read meanwhile. A format `SPEC@before` runs `SPEC`
+    with the checkout `before` (its own copy of this file, which puts its raylazy first on the path)."""
     files = checkpoint_files(model) if files is None else files
+    name, at, _ = spec.partition("@")
+    script = os.path.join(before, "benchmarks", "vllm_load.py") if at else os.path.abspath(__file__)
     with prepare(files, cache):
         disk0 = device.settled_reads() if device and device.name else None
         refaulted0 = refaulted_bytes()
-        done = run_engine([os.path.abspath(__file__), "--one", spec, "--tp", str(tp), "--model", model,
-                           "--served", dtype], tp, {STEPS: "1", **(env or {})}, python)
+        done = run_engine([script, "--one", name, "--tp", str(tp), "--model", model, "--served", dtype], tp,
+                          {STEPS: "1", **(env or {})}, python)
         disk = device.settled_reads() - disk0 if disk0 else None
         refaulted = refaulted_bytes() - refaulted0
     row = {"format": spec, "tp": tp, "cache": cache, "dtype": dtype_case(model, dtype) if os.path.isdir(model) else dtype}
@@ -278,11 +284,18 @@ def sign_p(diffs: list[float]) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
 
 
-def compile_raylazy() -> None:
-    """raylazy's modules compiled to bytecode, as pip installs them: without it (an editable install where
-    PYTHONDONTWRITEBYTECODE is set, as on the machine of docs/benchmarks.md) every vLLM process compiles them
-    again, 0.2-0.3 s."""
-    compileall.compile_dir(os.path.dirname(importlib.util.find_spec("raylazy").origin), quiet=1)
+def compile_raylazy(*checkouts: str) -> None:
+    """raylazy's modules (and those of the `checkouts` given) compiled to bytecode, as pip installs them: without it
+    (an editable install where PYTHONDONTWRITEBYTECODE is set, as on the machine of docs/benchmarks.md) every vLLM
+    process compiles them again, 0.2-0.3 s."""
+    for package in [os.path.dirname(importlib.util.find_spec("raylazy").origin),
+                    *(os.path.join(c, "raylazy") for c in checkouts)]:
+        compileall.compile_dir(package, quiet=1)
+
+
+def _commit(checkout: str) -> str:
+    done = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "?"
 
 
 def run_options(doc: str, runs: int) -> argparse.ArgumentParser:
@@ -328,11 +341,18 @@ def format_options(ap: argparse.ArgumentParser, formats: list[str]) -> argparse.
 def main(argv=None) -> int:
     ap = format_options(run_options(__doc__, runs=5), list(FORMATS))
     ap.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)
+    ap.add_argument("--before", metavar="CHECKOUT",
+                    help="another checkout of raylazy (e.g. a git worktree of an earlier commit): each raylazy format "
+                         "also runs with it, as FORMAT@before, paired with this checkout's")
     args = ap.parse_args(argv)
     if args.one:
         print("RESULT " + json.dumps(one(args.model, args.one, args.tp[0], args.served)), flush=True)
         return 0
-    compile_raylazy()
+    if args.before:
+        args.before = os.path.abspath(args.before)
+        args.formats += [f"{f}@before" for f in args.formats if f.startswith("raylazy")]
+        print(f"before: {args.before} at {_commit(args.before)}; this checkout at {_commit('.')}", flush=True)
+    compile_raylazy(*([args.before] if args.before else []))
     cases = checkpoints(args.model, args.dtype, args.shape)
     files = [f for model, _ in dict.fromkeys(cases) for f in checkpoint_files(model)]
     device = Device(files)
@@ -346,7 +366,7 @@ def main(argv=None) -> int:
             for cache in args.cache:
                 for model, served in cases:
                     for spec in args.formats[:: 1 if rep % 2 == 0 else -1]:
-                        r = measure(model, spec, tp, cache, served, device)
+                        r = measure(model, spec, tp, cache, served, device, before=args.before)
                         r = {"run": rep, **r}
                         print(json.dumps(r), file=sys.stderr, flush=True)
                         rows.append(r)
