@@ -3,7 +3,7 @@ it whether a row-split tensor's rows are read sooner one request each (exactly t
 with the gaps between the rows (`Read.gather`: fewer requests, more bytes), and the readers take from it how many
 requests to keep in flight and how large (`raylazy.core.options.ReaderOptions.shaped`). Pure data, made by the
 storage (`raylazy.storage.Storage.cost_model`): object storage's measured on its first GETs, a network file
-system's from its kind (`for_kind`)."""
+system's from its kind and what the kernel or a probe says of its mount (`for_kind`)."""
 
 from __future__ import annotations
 
@@ -83,8 +83,10 @@ _OTHER_NETWORK = CostModel(request_s=0.002, connection_bps=200e6, concurrency=16
 def for_kind(kind: StorageKind | None) -> CostModel | None:
     """What reads cost on a file system of `kind`: None where a request costs little (local disks, tmpfs), the
     kind's figures for network storage, with the request size and depth the kernel says its mount is read with
-    (`StorageKind.request_bytes`, `depth`) in place of the kind's where it says them."""
+    (`StorageKind.request_bytes`, `depth`), or the wait and depth a probe of the mount timed (`latency_s`,
+    `depth`), in place of the kind's where they are known."""
     if kind is None or not kind.network:
         return None
     costs = _NETWORK.get(kind.name, _OTHER_NETWORK)
-    return replace(costs, part_bytes=kind.request_bytes or costs.part_bytes, concurrency=kind.depth or costs.concurrency)
+    return replace(costs, request_s=kind.latency_s or costs.request_s,
+                   part_bytes=kind.request_bytes or costs.part_bytes, concurrency=kind.depth or costs.concurrency)

@@ -16,7 +16,9 @@ class StorageKind(BaseModel):
     the node's other processes without reaching the storage (the kernel's page cache; GPFS's pagepool); and
     `mount_point` the mount holding the checkpoint ("" for object storage). `request_bytes` and `depth`: the size of
     the requests the kernel sends the storage and how many it keeps in flight, where the kernel says (0: it does
-    not; `raylazy.storage.kinds.kernel_shape`)."""
+    not; `raylazy.storage.kinds.kernel_shape`); where it says no depth and every read reaches the storage, `depth`
+    and `latency_s` (the seconds a request waits; 0: not measured) are what a probe of the mount timed
+    (`raylazy.storage.probe`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -27,6 +29,7 @@ class StorageKind(BaseModel):
     mount_point: str = ""
     request_bytes: int = 0
     depth: int = 0
+    latency_s: float = 0.0
 
     def describe(self) -> str:
         """One line for summaries: "nfs (nfs4 at /mnt/models), network, page cache shared"."""

@@ -7,6 +7,10 @@ kinds depend on their mount: 9p shares pages only when mounted with a cache mode
 and a FUSE file system shares them unless it opens its files with direct_io (an uncached bucket mount, mountpoint-s3's default), which the
 kernel shows by refusing a shared mapping of a file (ENODEV): a checkpoint file on a FUSE mount is probed that way
 (an mmap that touches no page: no read reaches the storage).
+
+A network mount's request size and depth are the kernel's where the mount table or sysfs say them (`kernel_shape`);
+where every read reaches the storage and the kernel says no depth, a few timed reads find its wait and depth
+(`raylazy.storage.probe`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 from typing import NamedTuple
 
 from ..core.kinds import StorageKind
+from . import probe
 
 
 class Mount(NamedTuple):
@@ -163,14 +168,25 @@ def direct_io(fd: int) -> bool:
     return statfs_type(fd) == FUSE_MAGIC and refuses_shared_map(fd)
 
 
+def _first_file(path: str) -> str | None:
+    """`path` if a file, else the first safetensors file of directory `path` (None: none)."""
+    try:
+        if os.path.isfile(path):
+            return path
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    except OSError:
+        return None
+    return os.path.join(path, names[0]) if names else None
+
+
 def _probed(path: str) -> bool | None:
     """Whether `path`, or the first safetensors file of directory `path`, is served with direct_io (None: no file
     to tell by)."""
+    file = _first_file(path)
+    if file is None:
+        return None
     try:
-        names = [""] if os.path.isfile(path) else sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-        if not names:
-            return None
-        fd = os.open(os.path.join(path, names[0]) if names[0] else path, os.O_RDONLY)
+        fd = os.open(file, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -184,7 +200,9 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
     """The kind of storage `path` (a file or directory) is on; `mountinfo`: a mount table's text (default: this
     process's); `uncached`: whether a file there is served with direct_io, where known (else a FUSE mount's
     file is probed); `resolve=False`: take the path as it is, without following its links (nothing on its mount
-    is then touched)."""
+    is then touched). A network mount's request size and depth are the kernel's where it says them
+    (`kernel_shape`); where every read reaches the storage and the kernel says no depth, a probe of its first
+    checkpoint file times its wait and depth, once a mount for the process (`raylazy.storage.probe`)."""
     path = os.path.realpath(path) if resolve else path
     if mountinfo is None:
         try:
@@ -201,7 +219,11 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
     if not kind.network:
         return kind
     request_bytes, depth = kernel_shape(mount, fuse, kind.page_cache)
-    return kind.model_copy(update={"request_bytes": request_bytes, "depth": depth})
+    latency_s = 0.0
+    file = _first_file(path) if resolve and not kind.page_cache and not depth else None
+    if file and (measured := probe.probed(mount.mount_point, mount.device, file)):
+        latency_s, depth = measured
+    return kind.model_copy(update={"request_bytes": request_bytes, "depth": depth, "latency_s": latency_s})
 
 
 def kernel_shape(mount: Mount, fuse: bool, cached: bool = True, sysfs: str = "/sys") -> tuple[int, int]:

@@ -212,6 +212,7 @@ def test_a_load_from_a_stalled_mount_fails_as_one_error(netfs, llama_dir, ray_lo
     """raylazy.load tp=2 from a mount that stalls mid-load: one RankFailedError, each rank's cause a
     StorageStallError, within the storage timeout (not the load's); the load returns nothing."""
     fs = netfs(llama_dir, mode="direct", latency_s=0.001)
+    raylazy.plan(fs.mountpoint, tp=2)  # the mount probed, once for the process (`raylazy.storage.probe`)
     fs.reset()
     raylazy.plan(fs.mountpoint, tp=2)
     planning = fs.stats()["bytes"]  # what the load's own planning reads again, before its ranks read
@@ -292,6 +293,7 @@ def test_the_same_actors_load_again_once_a_stalled_mount_answers(netfs, llama_di
     options = dict(device="cpu", progress=False, backend=backend, request_timeout_s=TIMEOUT_S, timeout_s=120,
                    actors=actors)
     try:
+        raylazy.plan(fs.mountpoint, tp=2)  # the mount probed, once for the process
         fs.reset()
         raylazy.plan(fs.mountpoint, tp=2)
         planning = fs.stats()["bytes"]

@@ -16,7 +16,7 @@ from raylazy.core.costs import for_kind
 from raylazy.core.kinds import StorageKind
 from raylazy.core.options import ReaderOptions
 from raylazy.io.nodes import shares_page_cache
-from tests.support.checkpoints import reference_tensors
+from tests.support.checkpoints import probe_bytes, reference_tensors
 from tests.support.expected import expected_rank, model_config
 from tests.support.measured import header_bytes
 
@@ -67,8 +67,9 @@ def test_rows_of_split_tensors_are_gathered_where_requests_cost(netfs, llama_dir
 @pytest.mark.ray
 def test_a_node_without_a_page_cache_fetches_its_union_once(netfs, llama_dir, ray_local):
     """raylazy.load tp=2 from an uncached (direct_io) mount: the node reads through stages in shared memory, the
-    storage serves its union once (plus the headers planning and the ranks' checks read), every shard is the checkpoint's
-    slice, and the stats and summary say what storage was read and how."""
+    storage serves its union once (plus the headers planning and the ranks' checks read, and the probe of the mount
+    at the planning: `raylazy.storage.probe`), every shard is the checkpoint's slice, and the stats and summary say
+    what storage was read and how."""
     fs = netfs(llama_dir, mode="direct", latency_s=0.001)
     tp, cfg = 2, model_config(llama_dir)
     with raylazy.load(fs.mountpoint, tp, device="cpu", progress=False) as loaded:
@@ -83,4 +84,5 @@ def test_a_node_without_a_page_cache_fetches_its_union_once(netfs, llama_dir, ra
                 assert torch.equal(shards[name], t), (rank, name)
         union = sum(n.nbytes for n in loaded.plan.nodes)
     headers = sum(header_bytes(os.path.join(llama_dir, os.path.basename(f.uri))) for f in loaded.plan.files)
-    assert union <= served <= 1.02 * union + (1 + tp) * headers, (served, union, headers)
+    probe = probe_bytes(llama_dir)  # this process's first look at the mount
+    assert union <= served <= 1.02 * union + (1 + tp) * headers + probe, (served, union, headers, probe)

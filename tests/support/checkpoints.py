@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from raylazy.storage.probe import READ_BYTES, SERIAL, TOGETHER
+
 #: Names of the session fixtures (in conftest.py) that hold a multi-shard checkpoint.
 MODEL_FIXTURES = ("llama_dir", "qwen2_dir", "mixtral_dir")
 
@@ -198,6 +200,14 @@ def header_bytes(model_dir: str | os.PathLike) -> int:
         with open(os.path.join(model_dir, name), "rb") as f:
             total += 8 + int.from_bytes(f.read(8), "little")
     return total
+
+
+def probe_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes a probe of the mount holding `model_dir` reads (`raylazy.storage.probe`, where every read reaches the
+    storage): the first file's 8-byte header length, then its first `READ_BYTES` at most (within its header) each
+    of the other reads."""
+    with open(os.path.join(model_dir, shard_files(model_dir)[0]), "rb") as f:
+        return 8 + (SERIAL + TOGETHER - 1) * min(READ_BYTES, 8 + int.from_bytes(f.read(8), "little"))
 
 
 def reference_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
