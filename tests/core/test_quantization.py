@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 import raylazy
+from raylazy.core.header import TensorInfo
+from raylazy.core.quantization import parse_quantization
 from raylazy.errors import (
     QuantizedLayoutError,
     QuantizedSplitError,
@@ -362,6 +364,60 @@ def test_split_inside_a_packed_word_is_an_error(tmp_path):
     with pytest.raises(QuantizedSplitError, match=r"up_proj\.(qweight|qzeros)'.*tp=4.*int32 word of 8 4-bit codes"):
         raylazy.plan(model, 4)
     assert raylazy.plan(model, 2).ranks[1].tensors  # 24 outputs each: whole words
+
+
+def test_a_partial_last_block_at_the_weight_end_is_not_a_cut(tmp_path):
+    """A weight dim that is no multiple of its scale block (127 rows, blocks of 32: the last block holds 31) split
+    unevenly (uneven="pad": 64 rows each, the last rank's 63 and a zero row): the last rank's piece ends inside that
+    block, at the weight's end, so the block's scale is whole there and nothing is cut."""
+    prefix, n, k = "model.layers.0.mlp.up_proj", 127, 256
+    model = _llama(tmp_path, {"quant_method": "fp8", "weight_block_size": [32, 32]}, {prefix: (n, k)},
+                   lambda n, k, g: q.fp8_block_encode(n, k, g, (32, 32)))
+    want = q.fp8_block_decode(layer_parts(reference_tensors(model), prefix), (32, 32))
+    _, ranks = rank_shards(model, 2, uneven="pad")
+    for r, shards in enumerate(ranks):
+        got = q.fp8_block_decode(layer_parts(shards, prefix), (32, 32))
+        rows = want[64 * r: 64 * (r + 1)]
+        assert got.shape == (64, k) and torch.equal(got[: len(rows)], rows), r
+        assert not got[len(rows):].any()  # the padding row
+
+
+def test_int8_scales_per_group_follow_their_weight(tmp_path):
+    """compressed-tensors int-quantized weights with a scale per group of 64 input columns (`weight_scale`
+    [N, K/64]): each rank's weight and scales dequantize to its slice, column- and row-parallel."""
+    layers = {"model.layers.0.mlp.up_proj": (512, 256, "column"), "model.layers.0.mlp.down_proj": (256, 512, "row")}
+
+    def encode(n: int, k: int, g: torch.Generator) -> dict:
+        return {"weight": torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
+                "weight_scale": q.scales((n, k // 64), g)}
+
+    def decode(t: dict) -> torch.Tensor:
+        return t["weight"].float() * t["weight_scale"].repeat_interleave(64, 1)
+
+    fmt = _ct({"num_bits": 8, "type": "int", "strategy": "group", "group_size": 64}, "int-quantized")
+    model = _llama(tmp_path, fmt, {p: (n, k) for p, (n, k, _) in layers.items()}, encode)
+    full = reference_tensors(model)
+    _, ranks = rank_shards(model, 2)
+    for r, shards in enumerate(ranks):
+        for prefix, (_, _, kind) in layers.items():
+            want = expected(decode(layer_parts(full, prefix)), kind, r, 2)
+            assert torch.equal(decode(layer_parts(shards, prefix)), want), (r, prefix)
+
+
+def test_fused_experts_scales_follow_the_fused_weight():
+    """transformers 5's fused FP8 experts (`experts.gate_up_proj` [E, 2I, H]) keep their scales beside them as
+    `experts.gate_up_proj_scale_inv` (per block of each expert) and `experts.gate_up_proj_activation_scale` (one per
+    expert): both are companions of the fused weight, following its expert dim (and its blocks)."""
+    p = "model.layers.0.mlp.experts."
+    shapes = {p + "gate_up_proj": ("F8_E4M3", (4, 512, 256)), p + "gate_up_proj_scale_inv": ("F32", (4, 4, 2)),
+              p + "gate_up_proj_activation_scale": ("F32", (4,)), p + "down_proj": ("F8_E4M3", (4, 256, 256)),
+              p + "down_proj_activation_scale": ("F32", (4, 1))}
+    infos = {n: TensorInfo(n, dtype, shape, 0, 0) for n, (dtype, shape) in shapes.items()}
+    companions = parse_quantization({"quant_method": "fp8", "weight_block_size": [128, 128]}).companions(infos)
+    follows = {n: (c.weight, [(a.dim, a.unit) if a else None for a in c.layout.axes]) for n, c in companions.items()}
+    assert follows == {p + "gate_up_proj_scale_inv": (p + "gate_up_proj", [(0, 1), (1, 128), (2, 128)]),
+                       p + "gate_up_proj_activation_scale": (p + "gate_up_proj", [(0, 1)]),
+                       p + "down_proj_activation_scale": (p + "down_proj", [(0, 1), None])}
 
 
 def test_unknown_method_and_bad_layouts_are_named(tmp_path):

@@ -1,10 +1,12 @@
 """Readers fill caller-supplied tensors in place (`out=`): bit-for-bit against safetensors get_tensor +
 narrow, the caller's own tensor objects come back, padding is zeroed, and a buffer that does not match
-its shard is refused before any byte is read."""
+its shard is refused before any byte is read. And the ranged reader's windows (`raylazy.io.ranged`): windows that
+start inside strided reads, rows gathered with their gaps, rows asked of cold storage ahead, staging buffers."""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -13,10 +15,14 @@ from safetensors.torch import save_file
 import raylazy.io.fst as fst
 from raylazy.core.options import ReaderOptions
 from raylazy.core.placements import Replicated, Split
+from raylazy.core.schedule import rank_schedule
 from raylazy.errors import BufferMismatchError, RaylazyError
+from raylazy.io.buffers import plan_files
 from raylazy.io.ranged import read_rank_ranged
 from raylazy.planning import make_plan
+from raylazy.storage import open_planned_files
 from tests.support.checkpoints import reference_tensors
+from tests.support.measured import PAGE
 from tests.support.planlib import as_bytes, reference_shard
 
 GARBAGE = 0x5A
@@ -122,3 +128,131 @@ def test_wrong_shape_dtype_device_layout_refused_before_reading(mixed_dir, backe
     _refused(mixed_dir, backend, monkeypatch, {"row": torch.empty(100, 6).t()}, "'row'", "not contiguous")
     _refused(mixed_dir, backend, monkeypatch, {"row": torch.empty(shape, device="meta")}, "'row'", "meta")
     _refused(mixed_dir, backend, monkeypatch, {"nope": torch.empty(1)}, "'nope'", "does not hold")
+
+
+# --- the ranged reader's windows --------------------------------------------------------------------------------
+
+#: Window size of these tests: each rank's shards span several windows, and windows start inside strided reads.
+CHUNK = 16384
+TP = 4
+
+
+@pytest.fixture(scope="module")
+def rows_dir(tmp_path_factory) -> str:
+    """Tensors of many rows, split at tp=4: column-split rows whose pages touch (400 bytes, 1,600 apart; the first
+    in the file's first page, beside the header), column-split rows pages apart (4 KiB, 16 KiB apart), and rows
+    split whole (each rank's a contiguous range of two windows)."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        "a_touching": torch.randn(96, 400, generator=g),
+        "b_apart": torch.randn(24, 4096, generator=g),
+        "c_whole": torch.randn(256, 100, generator=g),
+    }
+    d = tmp_path_factory.mktemp("rows")
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    return str(d)
+
+
+ROW_RULES = [("a_touching", Split(-1)), ("b_apart", Split(-1)), ("c_whole", Split(0))]
+ROW_DIMS = {"a_touching": -1, "b_apart": -1, "c_whole": 0}
+
+
+def _rows_plan(rows_dir: str, max_gap: int = 0):
+    return make_plan(rows_dir, TP, rules=ROW_RULES, preset=None, max_gap=max_gap)
+
+
+def _check_rows(rows_dir: str, rank: int, shards: dict) -> None:
+    """Each shard is the rank's quarter of safetensors' tensor along its split dim."""
+    full = reference_tensors(rows_dir)
+    assert shards.keys() == full.keys()
+    for name, t in full.items():
+        want = torch.tensor_split(t, TP, dim=ROW_DIMS[name])[rank]
+        assert as_bytes(shards[name]) == as_bytes(want), (rank, name)
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["in-place", "staged"])
+@pytest.mark.parametrize("max_gap", [0, 1 << 20], ids=["row-by-row", "gathered"])
+def test_ranged_windows_starting_inside_strided_reads_place_every_row(rows_dir, stage, max_gap):
+    """Rows read one by one (local files) or gathered with the gaps between them (`max_gap`: as on object storage),
+    each window holding a run of rows from the middle of its read: every shard bit-for-bit."""
+    plan = _rows_plan(rows_dir, max_gap)
+    strided = [r for rp in plan.ranks for t in rp.tensors for r in t.reads if r.count > 1]
+    assert strided and all(r.gather == bool(max_gap) for r in strided)
+    for rp in plan.ranks:
+        firsts = [first for w in rank_schedule(rp, CHUNK).windows for r, first, n in w.parts if r.count > 1 and n > 1]
+        assert any(firsts) and 0 in firsts  # windows of several rows, some starting inside their read
+        shards, _ = read_rank_ranged(rp, "cpu", options=ReaderOptions(chunk_bytes=CHUNK), stage=stage)
+        _check_rows(rows_dir, rp.rank, shards)
+
+
+def _hints_ahead(rp, chunk: int) -> list[tuple[int, int, int]]:
+    """What a rank reading cold storage asks for ahead of each window's reads, as (file, start, end): each
+    contiguous range whole; each strided read's rows in runs whose pages touch, one request a run (so no page no
+    row needs, and no run cut in two)."""
+    out = []
+    for w in rank_schedule(rp, chunk).windows:
+        for r, first, n in w.parts:
+            if r.count == 1:
+                out.append((r.file, r.offset + first, r.offset + first + n))
+                continue
+            runs: list[list[int]] = []
+            for i in range(first, first + n):
+                start, end = r.offset + i * r.stride, r.offset + i * r.stride + r.length
+                if runs and start // PAGE <= (runs[-1][1] - 1) // PAGE + 1:
+                    runs[-1][1] = end
+                else:
+                    runs.append([start, end])
+            out += [(r.file, start, end) for start, end in runs]
+    return out
+
+
+def test_ranged_asks_cold_storage_for_exactly_the_pages_of_each_window_ahead(rows_dir):
+    """Storage that copies nothing without waiting (`try_readinto` 0: a cold cache, or storage that cannot tell)
+    is told each window's ranges ahead (`will_need`), rows merged into runs where their pages touch; the rows are
+    then read waiting, and every shard is exact."""
+    plan = _rows_plan(rows_dir)
+    for rp in plan.ranks:
+        hints: list[tuple[int, int, int]] = []
+        with open_planned_files(rp, plan_files(rp)) as sources:
+            for f, source in sources.items():
+                source.try_readinto = lambda offset, buffer: 0
+                source.will_need = lambda start, end, f=f, hints=hints: hints.append((f, start, end))
+            shards, _ = read_rank_ranged(rp, "cpu", options=ReaderOptions(chunk_bytes=CHUNK), sources=sources)
+        _check_rows(rows_dir, rp.rank, shards)
+        want = _hints_ahead(rp, CHUNK)
+        assert any(r.offset < PAGE for t in rp.tensors for r in t.reads if r.count > 1)  # a run from the first page
+        assert Counter(hints) == Counter(want), rp.rank
+
+
+def test_ranged_staging_holds_queue_size_plus_two_windows(rows_dir):
+    """Staged, a rank's reads go through queue_size + 2 buffers of one window each, as its stats say."""
+    for queue_size in (-1, 0, 1, 2, 5):
+        rp = _rows_plan(rows_dir).ranks[1]
+        window = rank_schedule(rp, CHUNK).window_bytes
+        options = ReaderOptions(chunk_bytes=CHUNK, queue_size=queue_size)
+        shards, stats = read_rank_ranged(rp, "cpu", options=options, stage=True)
+        _check_rows(rows_dir, rp.rank, shards)
+        assert (stats.staging_buffers, stats.staging_bytes) == (queue_size + 2, (queue_size + 2) * window), queue_size
+
+
+def test_ranged_stages_for_other_devices_with_plain_copies(rows_dir):
+    """Only a CUDA device gets a copy stream of its own: another device (here "meta", as "mps" or "xpu") is staged
+    with plain copies."""
+    rp = _rows_plan(rows_dir).ranks[0]
+    shards, stats = read_rank_ranged(rp, "meta", options=ReaderOptions(chunk_bytes=CHUNK))
+    assert stats.staging_buffers == 2 and stats.device == "meta"
+    assert {n: (t.device.type, tuple(t.shape)) for n, t in shards.items()} == \
+        {t.name: ("meta", tuple(t.shape)) for t in rp.tensors}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ranged_on_a_gpu_copies_windows_through_its_stream_bit_for_bit(rows_dir):
+    """On a GPU, windows through pinned buffers and the copy stream, refilled once their copies are done, at every
+    depth (queue_size -1: one buffer)."""
+    for queue_size in (-1, 0, 2):
+        for rp in _rows_plan(rows_dir).ranks:
+            options = ReaderOptions(chunk_bytes=CHUNK, queue_size=queue_size)
+            shards, stats = read_rank_ranged(rp, "cuda", options=options)
+            assert stats.staging_buffers == queue_size + 2
+            _check_rows(rows_dir, rp.rank, {n: t.cpu() for n, t in shards.items()})

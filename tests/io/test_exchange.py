@@ -13,7 +13,7 @@ import os
 import pickle
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -99,6 +99,27 @@ def run_node(tmp_path, cases: list, devices: list[str], fault: dict[int, str] | 
     return [[out[local][c] for local in range(len(devices))] for c in range(len(cases))]
 
 
+def staging_need(plan, sched, rank: int, on_device: bool) -> tuple[int, int, int]:
+    """(S, the rank's stripe count, the largest round's bytes) of `rank`, from the schedule and what each rank keeps
+    (`rank_keeps`), as the module's docstring counts them: round t holds the t-th stripe of every reader; in it a rank
+    holds the device copy of its own (on a GPU), the bytes the others keep of it (sent) and the bytes it keeps of
+    theirs (received)."""
+    own = {r: [s for s, st in enumerate(sched.stripes) if st.reader == r] for r in sched.ranks}
+    kept = Counter()  # (stripe, rank) -> bytes the rank keeps of the stripe
+    for r in sched.ranks:
+        for k in rank_keeps(plan, sched, r):
+            kept[k.stripe, r] += k.part.bytes_needed
+    lengths = [sched.stripes[s].end - sched.stripes[s].start for s in own[rank]]
+    step = 0
+    for t in range(max(len(o) for o in own.values())):
+        mine = own[rank][t] if t < len(own[rank]) else None
+        device_copy = lengths[t] if on_device and mine is not None else 0
+        sent = sum(kept[mine, r] for r in sched.ranks if r != rank) if mine is not None else 0
+        received = sum(kept[own[r][t], rank] for r in sched.ranks if r != rank and t < len(own[r]))
+        step = max(step, device_copy + sent + received)
+    return max(lengths, default=0), len(lengths), step
+
+
 def min_budget(plan, sched, on_device: bool) -> int:
     """The smallest staging budget every rank of the node can work with (some rank gets depth 1)."""
     rounds = NodeRounds(node_read("exchange", plan, sched, "", "").plans, sched)
@@ -109,10 +130,11 @@ def min_budget(plan, sched, on_device: bool) -> int:
     return max(need)
 
 
-def check_node(plan, sched, model_dir: str, results: list, budget: int) -> None:
+def check_node(plan, sched, model_dir: str, results: list, budget: int, on_device: bool = False) -> None:
     """Every rank's shards are its slices of safetensors' tensors; the ranks' positional reads cover every page of
     the node's union once and nothing else, one read per stripe (what `requests` and `bytes_read` report); staging
-    fit."""
+    fit, and is what the stats say: the deepest read-ahead the budget allows and the largest round held
+    (`staging_need`)."""
     received, reads = 0, []
     for local, rank in enumerate(sched.ranks):
         res = results[local]
@@ -125,6 +147,9 @@ def check_node(plan, sched, model_dir: str, results: list, budget: int) -> None:
                          if sched.stripes[k.stripe].reader != rank)
         assert stats["bytes_received"] == from_peers
         assert stats["staging_bytes"] <= budget, (rank, stats["staging_bytes"], budget)
+        size, stripes, step = staging_need(plan, sched, rank, on_device)
+        depth = min(stripes, (budget - step) // size) if size else 0
+        assert (stats["staging_buffers"], stats["staging_bytes"]) == (depth, depth * size + step), rank
         assert stats["requests"] == len(calls) and stats["bytes_read"] == sum(end - start for _, start, end in calls)
         reads += calls
         received += stats["bytes_received"]
@@ -154,7 +179,7 @@ def run_and_check(tmp_path, dirs: list[str], devices: list[str]) -> list:
             owners.append(d)
     results = run_node(tmp_path, cases, devices)
     for (plan, sched, budget, _), d, res in zip(cases, owners, results):
-        check_node(plan, sched, d, res, budget)
+        check_node(plan, sched, d, res, budget, on_device)
     return results
 
 
@@ -183,6 +208,36 @@ def test_budget_below_the_minimum_is_refused_before_anything_starts(llama_dir):
                             options=ReaderOptions(staging_budget=max(need) - 1))
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_smallest_budget_holds_one_stripe_and_the_largest_round(llama_dir, tp, on_device):
+    """A rank works within exactly one stripe buffer and its largest round (`staging_need`, counted from the
+    schedule and the keeps: nothing for a rank alone on its CPU node), reads one more stripe ahead for each
+    stripe's worth more, and refuses a byte less."""
+    plan = raylazy.plan(llama_dir, tp)
+    sched = node_schedule(plan, range(tp), "node", 8192)
+    rounds = NodeRounds(node_read("exchange", plan, sched, "", "").plans, sched)
+    for me, rank in enumerate(sched.ranks):
+        size, stripes, step = staging_need(plan, sched, rank, on_device)
+        assert stripes > 2 and (step > 0) == (tp > 1 or on_device)
+        assert rounds.staging(me, size + step, on_device) == (1, size, step)
+        assert rounds.staging(me, 2 * size + step, on_device) == (2, size, step)
+        with pytest.raises(ConfigurationError, match=f"rank {rank}: .*at least {size + step}"):
+            rounds.staging(me, size + step - 1, on_device)
+
+
+def test_plans_not_of_the_node_in_its_ranks_order_are_refused(llama_dir):
+    """The exchange needs every rank's plan in the schedule's rank order, and the reading rank among them: anything
+    else is a ConfigurationError before any peer is met."""
+    plan = raylazy.plan(llama_dir, 4)
+    sched = node_schedule(plan, range(2), "node", 16384)
+    task = node_read("exchange", plan, sched, "", "127.0.0.1:1")
+    options = ReaderOptions(staging_budget=HUGE, stripe_timeout_s=1.0)
+    for rank, given in ((2, task), (0, replace(task, plans=task.plans[::-1]))):
+        with pytest.raises(ConfigurationError, match=r"give the node's plans in its ranks' order"):
+            read_rank_exchanged(plan.ranks[rank], "cpu", node_read=given, options=options)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["raise", "exit", "absent", "stall"])
 def test_a_failing_rank_fails_its_peers_instead_of_hanging(tmp_path, llama_dir, fault):
@@ -194,6 +249,8 @@ def test_a_failing_rank_fails_its_peers_instead_of_hanging(tmp_path, llama_dir, 
     assert time.monotonic() - t0 < 30  # a stalled rank stops reading ahead once it fails
     assert isinstance(res[0], PeerFailedError), res[0]
     assert "local rank 0 of 2" in str(res[0]) and "5 s" in str(res[0])
+    if fault in ("raise", "exit"):  # rank 1 failed before the first round's exchange, where rank 0 waited for it
+        assert "exchange of round 1 of " in str(res[0]), res[0]
     if fault == "raise":
         assert isinstance(res[1], ReadError) and "injected failure" in str(res[1])
     elif fault == "stall":  # when it wakes up, its peer has given up: it fails too, nothing half-loaded
