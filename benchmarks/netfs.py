@@ -158,6 +158,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             with self.lock:
                 self.counts = {"requests": 0, "bytes": 0, "meta_requests": 0, "most_in_flight": 0, "files": {},
                                "stalled_at": None}
+                self.answered = 0  # bytes of the reads answered (or being answered): where a fault starts
 
         def _real(self, path: str) -> str:
             return os.path.join(source, path.lstrip("/"))
@@ -228,7 +229,7 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
             try:
                 if self.latency_s:
                     time.sleep(self.latency_s)
-                size = self._faulty(size)
+                size = self._faulty(size, max(0, min(size, os.fstat(fi.fh).st_size - offset)))
                 data = os.pread(fi.fh, size, offset)
                 self.bucket.take(len(data))
             finally:
@@ -242,11 +243,15 @@ def _serve(source: str, mountpoint: str, mode: str, latency_s: float, bandwidth_
                 f["bytes"] += len(data)
             return data
 
-        def _faulty(self, size: int) -> int:
+        def _faulty(self, size: int, nbytes: int) -> int:
             """Apply the fault set (once `after_bytes` were served): stall until answering again, fail with an
-            errno, or serve half the bytes asked for (at least a page)."""
+            errno, or serve half the bytes asked for (at least a page). `nbytes`: what this read, of `size` bytes,
+            would serve; it counts as served as soon as it is let through, so that reads answered at once (all of a
+            small file's, many in flight) cannot all pass before any is counted."""
             fault = self.fault
-            if not fault or self.counts["bytes"] < fault.get("after_bytes", 0):
+            with self.lock:
+                before, self.answered = self.answered, self.answered + nbytes
+            if not fault or before < fault.get("after_bytes", 0):
                 return size
             if fault.get("stall"):
                 answering = self.answering  # this read's stall: a `recover` answers the reads after it, not this one
