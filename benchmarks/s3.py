@@ -164,7 +164,7 @@ class Bench:
         self.server, self.uri, self.options, self.out, self.log = server, uri, options, out, log
         self.env, self.rows, self.digests = _env(server), [], {}
 
-    def plan(self, tp: int, loader: str, nodes: bool = False):
+    def plan(self, tp: int, loader: str, nodes: bool = False, direct: bool = False):
         from raylazy.core.options import ReaderOptions
         from raylazy.core.schedule import with_node_schedules
         from raylazy.planning import make_plan
@@ -173,8 +173,8 @@ class Bench:
         plan = make_plan(self.uri, tp, storage_options=self.options, max_gap=_GAPS.get(loader))
         if nodes:
             stripe = ReaderOptions().shaped(storage_for(self.uri, self.options).cost_model(self.uri)).stripe_bytes
-            plan = with_node_schedules(plan, ["node"] * tp, stripe)
-        path = os.path.join(self.out, f"plan-{loader}-tp{tp}{'-node' if nodes else ''}.json")
+            plan = with_node_schedules(plan, ["node"] * tp, stripe, direct=direct)  # as raylazy.load's node reads
+        path = os.path.join(self.out, f"plan-{loader}-tp{tp}{'-node' if nodes else ''}{'-direct' if direct else ''}.json")
         with open(path, "w") as f:
             f.write(plan.to_json())
         return plan, path
@@ -204,7 +204,8 @@ class Bench:
                               estimate=self._estimate(rp) if loader.startswith("raylazy") else None), (tp, rank))
 
     def node(self, tp: int, loader: str) -> None:
-        plan, path = self.plan(tp, "raylazy", nodes=loader in ("raylazy", "exchange"))
+        # staged cooperative reads fetch what one rank alone keeps into its shard (`NodeSchedule.direct`)
+        plan, path = self.plan(tp, "raylazy", nodes=loader in ("raylazy", "exchange"), direct=loader == "raylazy")
         union = sum(f.size for f in plan.files)
         barrier = os.path.join(self.out, f"ready-{time.monotonic_ns()}")
         specs = [dict(loader=loader, plan=path, rank=r, world=tp, barrier=barrier, load_id=os.path.basename(barrier),

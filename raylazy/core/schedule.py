@@ -168,10 +168,11 @@ class Keep(NamedTuple):
     part: Part
 
 
-def with_node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0) -> Plan:
+def with_node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None, max_gap: int = 0,
+                        direct: bool = False) -> Plan:
     """A copy of `plan` whose `nodes` hold one NodeSchedule per node, `node_ids[r]` being the node rank r runs on
-    (see `node_schedule` for stripe_bytes and max_gap)."""
-    return plan.model_copy(update={"nodes": node_schedules(plan, node_ids, stripe_bytes, max_gap)})
+    (see `node_schedule` for stripe_bytes, max_gap and direct)."""
+    return plan.model_copy(update={"nodes": node_schedules(plan, node_ids, stripe_bytes, max_gap, direct)})
 
 
 def node_rows(plan: Plan) -> list[dict]:
@@ -190,11 +191,11 @@ def node_rows(plan: Plan) -> list[dict]:
 
 
 def node_schedules(plan: Plan, node_ids: Sequence[str], stripe_bytes: int | None = None,
-                   max_gap: int = 0) -> tuple[NodeSchedule, ...]:
+                   max_gap: int = 0, direct: bool = False) -> tuple[NodeSchedule, ...]:
     """One NodeSchedule per node, `node_ids[r]` being the node rank r runs on (nodes in order of their first rank)."""
     if len(node_ids) != len(plan.ranks):
         raise ValueError(f"{len(node_ids)} node id(s) for {len(plan.ranks)} rank(s)")
-    return tuple(node_schedule(plan, ranks, node, stripe_bytes or DEFAULT_STRIPE_BYTES, max_gap=max_gap)
+    return tuple(node_schedule(plan, ranks, node, stripe_bytes or DEFAULT_STRIPE_BYTES, max_gap=max_gap, direct=direct)
                  for node, ranks in group_by_node(node_ids).nodes.items())
 
 

@@ -25,7 +25,7 @@ import torch
 
 import raylazy
 from raylazy.core.options import ReaderOptions
-from raylazy.core.schedule import group_by_node, node_schedule, with_node_schedules
+from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
 from raylazy.io import shared
 from raylazy.io.cooperative import read_rank_cooperative
@@ -211,10 +211,8 @@ def test_staged_reads_fetch_the_union_once_into_shared_memory(llama_dir, nodes, 
     every stripe of its union once, with one positional read into its stage, and every rank copies its bytes out of
     the stages, bit for bit; nothing is left in shared memory (`run_nodes` checks). A direct stripe (bytes one rank
     alone keeps) is read into that rank's shard and never staged."""
-    plan = make_plan(llama_dir, 4)
-    node_ids = ["a", "b"] * 2 if nodes == 2 else ["n"] * 4
-    plan = plan.model_copy(update={"nodes": tuple(node_schedule(plan, ranks, node, 8192, direct=direct)
-                                                  for node, ranks in group_by_node(node_ids).nodes.items())})
+    plan = with_node_schedules(make_plan(llama_dir, 4), ["a", "b"] * 2 if nodes == 2 else ["n"] * 4, stripe_bytes=8192,
+                               direct=direct)
     results = _ok(run_nodes(plan, ReaderOptions(threads=3), staged=True))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
     for node in plan.nodes:
