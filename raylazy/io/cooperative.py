@@ -50,6 +50,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from contextvars import copy_context
+from itertools import groupby
 
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, RankPlan
@@ -133,17 +134,14 @@ def read_rank_cooperative(
 
 def _direct(sched: NodeSchedule, rank: int, keeps, buffers) -> dict:
     """{stripe: the bytes of the shard it fills}: the node's direct stripes `rank` reads (`NodeSchedule.direct`)
-    that are one contiguous keep of its, read straight into the shard (any other is staged as usual)."""
-    by_stripe: dict[int, list] = {}
-    for k in keeps:
-        by_stripe.setdefault(k.stripe, []).append(k)
-    direct = {}
-    for i in sched.direct:
-        s, found = sched.stripes[i], by_stripe.get(i, [])
-        if s.reader == rank and len(found) == 1:
-            (r, first, n), t = found[0].part, found[0].tensor
-            if r.count == 1 and r.offset + first == s.start and n == s.end - s.start:
-                direct[i] = buffers[t][0][r.dst_offset + first : r.dst_offset + first + n].numpy()
+    that are one contiguous keep of its, read straight into the shard (any other is staged as usual). `keeps` are
+    in stripe order (`rank_keeps`)."""
+    mine, direct = {i for i in sched.direct if sched.stripes[i].reader == rank}, {}
+    for i, found in groupby(keeps, key=lambda k: k.stripe):
+        (k, *more), s = found, sched.stripes[i]
+        (r, first, n), t = k.part, k.tensor
+        if i in mine and not more and r.count == 1 and r.offset + first == s.start and n == s.end - s.start:
+            direct[i] = buffers[t][0][r.dst_offset + first : r.dst_offset + first + n].numpy()
     return direct
 
 
