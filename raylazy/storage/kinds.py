@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 from typing import NamedTuple
@@ -179,10 +180,8 @@ def _first_file(path: str) -> str | None:
     return os.path.join(path, names[0]) if names else None
 
 
-def _probed(path: str) -> bool | None:
-    """Whether `path`, or the first safetensors file of directory `path`, is served with direct_io (None: no file
-    to tell by)."""
-    file = _first_file(path)
+def _probed(file: str | None) -> bool | None:
+    """Whether `file` (a checkpoint file) is served with direct_io (None: no file to tell by)."""
     if file is None:
         return None
     try:
@@ -214,14 +213,15 @@ def storage_kind(path: str, mountinfo: str | None = None, uncached: bool | None 
     if mount is None:  # no mount table (not Linux's /proc): the magic number, without a mount's options
         return kind_of(MAGIC.get(statfs_type(path) or 0, "unknown"))
     fuse = mount.fs_type == "fuse" or mount.fs_type.startswith("fuse.")
-    probed = (uncached if uncached is not None else _probed(path)) if fuse else None
+    first = functools.cache(lambda: _first_file(path))  # listed once, and only where needed
+    probed = (uncached if uncached is not None else _probed(first())) if fuse else None
     kind = kind_of(mount.fs_type, mount.options, mount.mount_point, mount.source, probed)
     if not kind.network:
         return kind
     request_bytes, depth = kernel_shape(mount, fuse, kind.page_cache)
     latency_s = 0.0
-    file = _first_file(path) if resolve and not kind.page_cache and not depth else None
-    if file and (measured := probe.probed(mount.mount_point, mount.device, file)):
+    if resolve and not kind.page_cache and not depth and (measured := probe.probed(mount.mount_point, mount.device,
+                                                                                   first)):
         latency_s, depth = measured
     return kind.model_copy(update={"request_bytes": request_bytes, "depth": depth, "latency_s": latency_s})
 

@@ -8,6 +8,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 #: The reads: `SERIAL` one at a time (the first of the header's 8-byte length, the others of its first
 #: `READ_BYTES` at most), then `TOGETHER` at once, from as many threads.
@@ -23,11 +24,15 @@ _PROBED: dict[tuple[str, str], tuple[float, int] | None] = {}
 _LOCK = threading.Lock()
 
 
-def probed(mount_point: str, device: str, path: str) -> tuple[float, int] | None:
-    """`measure(path)` of the mount at `mount_point` (device "MAJOR:MINOR"), once for the process: concurrent
-    callers wait for the one probe, later ones get what it found."""
+def probed(mount_point: str, device: str, find: Callable[[], str | None]) -> tuple[float, int] | None:
+    """`measure` of the file `find()` names on the mount at `mount_point` (device "MAJOR:MINOR"), once for the
+    process: concurrent callers wait for the one probe, later ones get what it found without `find` looking for
+    a file (a listing on the mount); None, and nothing kept, where it finds none."""
     with _LOCK:
         if (mount_point, device) not in _PROBED:
+            path = find()
+            if path is None:
+                return None
             _PROBED[mount_point, device] = measure(path)
         return _PROBED[mount_point, device]
 
