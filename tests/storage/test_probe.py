@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -85,7 +86,12 @@ def test_a_mount_is_probed_once_for_the_process(netfs, tmp_path):
     assert fs.stats()["requests"] == SERIAL + TOGETHER
     fs.reset()
     assert storage_kind(fs.mountpoint) == kinds[0] and fs.stats()["requests"] == 0
-    assert raylazy.plan(fs.mountpoint, rules=[("w", raylazy.Replicated())]).storage == kinds[0]
+    plan = raylazy.plan(fs.mountpoint, rules=[("w", raylazy.Replicated())])
+    assert plan.storage == kinds[0]
+    # the summary's storage line says the wait timed: at least the 10 ms the mount was given
+    (line,) = [line for line in plan.summary().splitlines() if line.startswith("storage: ")]
+    (wait,) = re.findall(r", ([0-9.]+) ms a request \(probed\)", line)
+    assert 10 <= float(wait) < 100, line
 
 
 def test_a_mount_the_kernel_describes_is_not_probed(netfs, tmp_path):
@@ -95,6 +101,16 @@ def test_a_mount_the_kernel_describes_is_not_probed(netfs, tmp_path):
     kind = storage_kind(fs.mountpoint)
     assert kind.page_cache and kind.latency_s == 0 and fs.stats()["requests"] == 0
     assert for_kind(kind).request_s == _OTHER_NETWORK.request_s
+    # the summary's storage line says the requests' shape the kernel gives the mount (its bdi's read-ahead, the
+    # FUSE connection's max_background), without a probed wait
+    device = os.stat(fs.mountpoint).st_dev
+    with open(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb") as f:
+        read_ahead_kb = int(f.read())
+    with open(f"/sys/fs/fuse/connections/{os.minor(device)}/max_background") as f:
+        depth = int(f.read())
+    assert kind.describe().endswith(f", requests of {read_ahead_kb} KiB, {depth} in flight"), kind.describe()
+    assert f"storage: {kind.describe()}" in raylazy.plan(fs.mountpoint, rules=[("w", raylazy.Replicated())]) \
+        .summary().splitlines()
 
 
 @pytest.mark.parametrize("why", ["unreadable", "too small"])
