@@ -41,8 +41,9 @@ class RegionReader:
 
     def __init__(self, ckpt: Checkpoint, options: ServingOptions, held: Held | None = None):
         storage = storage_for(ckpt.root, options.reader.storage_options)
-        self.storage = storage.kind(ckpt.root)
-        costs = storage.cost_model(ckpt.root, self.storage)
+        # a holder's bytes are memory: its storage is not asked what it is (a mount would be probed for nothing)
+        self.storage = None if held else storage.kind(ckpt.root)
+        costs = None if held else storage.cost_model(ckpt.root, self.storage)
         self.ckpt, self.options = ckpt, options.model_copy(update={"reader": options.reader.shaped(costs)})
         self.files = tuple(map(FileRef.of, ckpt.files))
         self.held = held
