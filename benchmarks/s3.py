@@ -19,7 +19,10 @@ seconds are the load call only (not starting Python or importing torch):
   runai          `SafetensorsStreamer` over the s3:// files, each tensor then cut to the rank's shard; a node:
                  its distributed mode (RUNAI_STREAMER_DIST=1 over gloo: each process reads a part, broadcasts).
   get            one plain sequential GET stream (obstore) of as many bytes as the rank needs (a node: of every
-                 file, the node's union): the physical limit here. `get (direct)`: the same, not through the proxy.
+                 file, the node's union), its chunks dropped: the physical limit here. `get (direct)`: the same,
+                 not through the proxy.
+  get-memory     a node: the same GET stream, each file's bytes copied into a fresh buffer of its size, as any
+                 loader must land them in memory (the page faults and the copy a plain GET does not make).
   raylazy-exact, raylazy-whole (`--extremes`, rank 0)  max_gap=0 (the needed bytes, one request per row) and every
                  row-split read fetched whole, with the cost model's estimate of each.
 `CPU s`: the loader's processes' CPU seconds (user + system) during the load; the store and the proxy share the
@@ -44,7 +47,7 @@ from .loaders.checkpoint import ModelSpec, checkpoint_files, ensure_checkpoint
 BUCKET = "bench"
 ALONE = ("raylazy", "runai", "get")
 EXTREMES = ("raylazy-exact", "raylazy-whole")
-NODE = ("raylazy", "exchange", "runai", "get")
+NODE = ("raylazy", "exchange", "runai", "get", "get-memory")
 _GAPS = {"raylazy": None, "raylazy-exact": 0, "raylazy-whole": 1 << 40}
 
 
@@ -60,6 +63,10 @@ def _worker(spec: dict) -> dict:
     import runai_model_streamer  # noqa: F401
 
     import raylazy.io.backends  # noqa: F401  (every reader)
+    import raylazy.io.nodes  # noqa: F401  (a node's read)
+    import raylazy.storage.objects  # noqa: F401  (object storage's sources, imported by the first open)
+
+    from .loaders import impls  # Run:ai's loader, and the checksums after the clock
 
     if world and spec["loader"] == "runai":
         torch.distributed.init_process_group("gloo", init_method=f"file://{spec['barrier']}.store", rank=spec["rank"],
@@ -75,8 +82,6 @@ def _worker(spec: dict) -> dict:
     seconds, cpu_s = time.perf_counter() - t0, _cpu_s() - c0
     if shards is None:
         return {"seconds": seconds, "cpu_s": cpu_s, "digest": None}
-    from .loaders import impls
-
     sums = impls.checksums(shards)
     return {"seconds": seconds, "cpu_s": cpu_s,
             "digest": hashlib.sha1(json.dumps(sums, sort_keys=True).encode()).hexdigest()}
@@ -107,8 +112,8 @@ def _load(torch, loader: str, plan, rp, spec: dict):
     # shaped for the store as raylazy.load shapes them (its GETs in flight, its part size)
     options = ReaderOptions(storage_options=spec["options"]).shaped(
         storage_for(plan.root, spec["options"]).cost_model(plan.root))
-    if loader == "get":
-        _plain_get(plan, spec["options"], spec["get_bytes"])
+    if loader.startswith("get"):
+        _plain_get(plan, spec["options"], spec["get_bytes"], into=loader == "get-memory")
         return None
     if loader == "runai":
         return impls.load_runai(torch, rp, [f.uri for f in plan.files], distributed=bool(spec.get("world")))
@@ -124,8 +129,10 @@ def _load(torch, loader: str, plan, rp, spec: dict):
     return read_rank_ranged(rp, "cpu", options=options)[0]
 
 
-def _plain_get(plan, options: dict, nbytes: int) -> None:
-    """GET the files' first `nbytes` bytes (laid end to end), one file after another, one stream."""
+def _plain_get(plan, options: dict, nbytes: int, into: bool = False) -> None:
+    """GET the files' first `nbytes` bytes (laid end to end), one file after another, one stream; `into`: each
+    file's bytes copied into a fresh buffer, else its chunks dropped."""
+    import numpy as np
     import obstore
     from obstore.store import S3Store
 
@@ -135,8 +142,12 @@ def _plain_get(plan, options: dict, nbytes: int) -> None:
         n = min(nbytes, f.size)
         if n <= 0:
             break
-        got = sum(len(c) for c in obstore.get(store, f.uri.split(f"{BUCKET}/", 1)[1],
-                                              options={"range": (0, n)}).stream(min_chunk_size=8 << 20))
+        out, got = memoryview(np.empty(n if into else 0, dtype=np.uint8)), 0
+        for chunk in obstore.get(store, f.uri.split(f"{BUCKET}/", 1)[1], options={"range": (0, n)}).stream(
+                min_chunk_size=8 << 20):
+            if into:
+                out[got : got + len(chunk)] = memoryview(chunk)
+            got += len(chunk)
         assert got == n, (f.uri, got, n)
         nbytes -= n
 
@@ -209,8 +220,8 @@ class Bench:
         union = sum(f.size for f in plan.files)
         barrier = os.path.join(self.out, f"ready-{time.monotonic_ns()}")
         specs = [dict(loader=loader, plan=path, rank=r, world=tp, barrier=barrier, load_id=os.path.basename(barrier),
-                      options=self.options, get_bytes=union) for r in range(1 if loader == "get" else tp)]
-        if loader == "get":
+                      options=self.options, get_bytes=union) for r in range(1 if loader.startswith("get") else tp)]
+        if loader.startswith("get"):
             specs[0].pop("world")
         self.server.reset()
         results = _spawn(specs, self.env)
@@ -220,7 +231,7 @@ class Bench:
         slowest = max(results, key=lambda res: res["seconds"])
         self._count(dict(slowest, digest=None, cpu_s=sum(res["cpu_s"] for res in results)),
                     dict(loader=loader, mode="node", tp=tp, rank=f"0-{tp - 1}",
-                                                     needed=union if loader == "get" else plan.bytes_needed))
+                                                     needed=union if loader.startswith("get") else plan.bytes_needed))
 
     def direct_get(self, tp: int) -> None:
         """The node's union by one plain GET stream straight from SeaweedFS (what the proxy costs)."""
