@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from raylazy.core.options import ServingOptions, serving_options
 from raylazy.errors import CheckpointNotFoundError, ConfigurationError, FileChangedError, PeerFailedError, ReloadError
@@ -637,3 +638,54 @@ def test_a_reload_of_an_engine_another_format_loaded_is_a_clear_error(llama_dir)
     config = SimpleNamespace(model=llama_dir, model_weights="", revision=None)
     with pytest.raises(ReloadError, match="not loaded with raylazy's format.*nothing was written"):
         weights_for_reload(torch.nn.Linear(2, 2), config, ServingOptions(), open_checkpoint, None, None)
+
+
+def test_a_reload_serves_the_new_checkpoint_and_records_afresh_where_a_shape_changed(llama_dir, tmp_path):
+    """vLLM's reload on raylazy's format (`weights_for_reload`, outside an engine: no node group), after a first
+    load recorded as the vLLM worker records one: a checkpoint of the same tensors (another seed) gives each
+    parameter the rank's cut of safetensors' tensor, reusing the first load's regions (the log line: rank 0,
+    "reload-reused"), and the engine's record then names that checkpoint; a checkpoint with one tensor a row
+    longer, then one a row shorter, is recorded afresh (each region read alone as it is taken), the log line
+    naming the tensor and both shapes, and the parameters are still safetensors' cuts, of the new shapes."""
+    from raylazy.integrations.reload import KEPT, keep
+    from raylazy.integrations.runs import recorded
+
+    def reload(path: str, options=ServingOptions(warm_copies=False)):
+        """A reload from `path` into a fresh tp=2 consumer (rank 0); (its parameters, expected cuts, log line)."""
+        config.model, lines = path, []
+        consume, params, cuts = tp_consumer(0, 2)
+        consume(weights_for_reload(model, config, options, lambda cfg, _: open_checkpoint(cfg.model), None,
+                                   SimpleNamespace(info=lines.append)))
+        assert len(lines) == 1
+        return params, cuts, fields(lines[0]), lines[0]
+
+    def same(params, cuts, path) -> None:
+        ref = reference_tensors(path)
+        assert params.keys() == ref.keys()
+        for name, p in params.items():
+            assert torch.equal(p.view(torch.int16), cuts[name](ref[name]).view(torch.int16)), name
+
+    model, config = torch.nn.Linear(2, 2), SimpleNamespace(model=llama_dir, model_weights="", revision=None)
+    consume, params, _ = tp_consumer(0, 2)
+    with RegionReader(open_checkpoint(llama_dir), ServingOptions()) as reads:
+        _, _, _, takes = recorded(consume, lambda: params.values(), reads, ServingOptions(), torch.device("cpu"), None)
+        keep(model, config, reads.ckpt, takes, sum(p.nbytes for p in params.values()))
+    step1 = build_checkpoint("llama", tmp_path / "step1", seed=1)
+    got, cuts, line, _ = reload(step1)
+    same(got, cuts, step1)
+    assert (line["rank"], line["mode"], line["unplanned_regions"]) == (0, "reload-reused", 0)
+    kept = getattr(model, KEPT)
+    assert kept.source == (step1, "", None) and set(kept.takes) == {(r.tensor.name, r.starts, r.sizes) for r in takes}
+    tensors = reference_tensors(step1)
+    norm = tensors["model.norm.weight"]
+    for n, what in ((len(norm) + 1, "longer"), (len(norm) - 1, "shorter")):
+        out = tmp_path / what
+        out.mkdir()
+        shutil.copy(os.path.join(step1, "config.json"), out)
+        save_file(tensors | {"model.norm.weight": torch.arange(n, dtype=norm.dtype)}, str(out / "model.safetensors"))
+        got, cuts, line, text = reload(str(out))
+        same(got, cuts, str(out))
+        assert line["mode"] == "reload-recorded", what
+        assert f"recorded afresh: tensor 'model.norm.weight' has shape [{n}], not [{len(norm)}]" in text, what
+        tensors = reference_tensors(out)
+        norm = tensors["model.norm.weight"]
