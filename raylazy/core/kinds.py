@@ -35,9 +35,9 @@ class StorageKind(BaseModel):
         """One line for summaries: "nfs (nfs4 at /mnt/models), network, page cache shared, requests of 1024 KiB, 16
         in flight", the requests' shape where the kernel says it or a probe timed it."""
         where = f"{self.fs_type} at {self.mount_point}" if self.mount_point else self.fs_type
-        shape = ([f"requests of {self.request_bytes >> 10} KiB"] if self.request_bytes else []) + (
-            [f"{self.latency_s * 1e3:.1f} ms a request (probed)"] if self.latency_s else []) + (
-            [f"{self.depth} in flight"] if self.depth else [])
+        shape = [text for text, known in ((f"requests of {self.request_bytes >> 10} KiB", self.request_bytes),
+                                          (f"{self.latency_s * 1e3:.1f} ms a request (probed)", self.latency_s),
+                                          (f"{self.depth} in flight", self.depth)) if known]
         return ", ".join([f"{self.name} ({where})", "network" if self.network else "local",
                           "page cache shared" if self.page_cache else "no shared page cache: every read reaches the "
                           "storage", *shape])

@@ -650,12 +650,12 @@ def test_a_reload_serves_the_new_checkpoint_and_records_afresh_where_a_shape_cha
     from raylazy.integrations.reload import KEPT, keep
     from raylazy.integrations.runs import recorded
 
-    def reload(path: str, options=ServingOptions(warm_copies=False)):
+    def reload(path: str):
         """A reload from `path` into a fresh tp=2 consumer (rank 0); (its parameters, expected cuts, log line)."""
         config.model, lines = path, []
         consume, params, cuts = tp_consumer(0, 2)
-        consume(weights_for_reload(model, config, options, lambda cfg, _: open_checkpoint(cfg.model), None,
-                                   SimpleNamespace(info=lines.append)))
+        consume(weights_for_reload(model, config, ServingOptions(warm_copies=False),
+                                   lambda cfg, _: open_checkpoint(cfg.model), None, SimpleNamespace(info=lines.append)))
         assert len(lines) == 1
         return params, cuts, fields(lines[0]), lines[0]
 
