@@ -49,7 +49,8 @@ def steps(tmp_path_factory) -> dict[str, str]:
 
 def _runs(m: dict[str, str]) -> list[dict]:
     llama = [{"path": m["llama1"], "weights": True}, {"path": m["missing"]}, {"path": m["truncated"]},
-             {"path": m["llama2"], "fault": 3}, {"path": m["llama2"], "weights": True}, {"path": m["llama1"]}]
+             {"path": m["llama2"], "fault": 3, "weights": True}, {"path": m["llama2"], "weights": True},
+             {"path": m["llama1"]}]
     tp2 = [{"path": m["llama1"], "weights": True},
            {"path": m["llama2"], "weights": True, "extra": {"backend": "exchange"}}]
     moe = [{"path": m["moe1"], "weights": True, "extra": {"warm_copies": False}}, {"path": m["moe2"], "weights": True},
@@ -149,10 +150,16 @@ def test_a_bad_checkpoint_is_refused_before_any_weight_is_written(runs):
 
 
 def test_a_failure_while_writing_says_to_reload_and_the_next_reload_restores_the_model(runs):
-    """A read failing mid-reload raises one error saying the engine needs another reload; the next reload leaves
-    every weight as a fresh load's, and a reload back to the first step gives that step's logprobs again."""
+    """A read failing mid-reload raises one error saying the engine needs another reload, and leaves each
+    parameter either as the reload wrote it or as the engine held it before (vLLM's fallback for a layer that
+    loaded nothing), never fresh memory; the next reload leaves every weight as a fresh load's, and a reload back
+    to the first step gives that step's logprobs again."""
     good, _, _, failed, again, back = runs[0]["steps"]
     assert "reload again before serving" in failed["error"] and "injected" in failed["error"]
+    held, written, mixed = good["now"][0], again["loaded"][0], failed["loaded"][0]
+    kept = [n for n in held if mixed[n] == held[n] != written[n]]
+    new = [n for n in held if mixed[n] == written[n] != held[n]]
+    assert kept and new and [n for n in held if mixed[n] not in (held[n], written[n])] == []
     assert again["error"] is None
     _same_weights(again)
     assert again["logprobs"] != good["logprobs"]

@@ -8,8 +8,9 @@ extra config for this reload on: a reload makes a new loader from it), `fault` (
 checkpoint, in every worker, raises OSError) and `weights` (true: also the weights checked). A step's result
 has `error` (what the reload raised, or None), `logprobs` (the prompts' prompt logprobs after it), `lines` (per
 rank: the numbers of raylazy's log line of the reload) and, with `weights`, per rank `loaded` (a sha256 of each
-parameter as the weight loaders wrote it, taken before vLLM's CPU processing repacks it) and `fresh` (the same
-of a fresh model the worker loads with vLLM's default loader from the checkpoint the engine now names). The
+parameter as the weight loaders wrote it, taken before vLLM's CPU processing repacks it), `now` (the same of
+each parameter as the engine holds it after the reload, repacked) and `fresh` (as `loaded`, of a fresh model the
+worker loads with vLLM's default loader from the checkpoint the engine now names). The
 run's own `logprobs` are those before any step.
 """
 
@@ -84,7 +85,7 @@ def disarm(worker, weights: bool) -> dict:
         now = {n: digest(p) for n, p in worker.model_runner.get_model().named_parameters()}
         fresh = loaded(worker, "auto", {})
         out["loaded"] = {n: state["loaded"].get(n, now.get(n)) for n in fresh["digests"]}
-        out["fresh"], out["numel"] = fresh["digests"], fresh["numel"]
+        out["now"], out["fresh"], out["numel"] = now, fresh["digests"], fresh["numel"]
     return out
 
 
@@ -121,7 +122,7 @@ def run(spec: dict, prompts: list[list[int]]) -> dict:
                 error = f"{type(e).__name__}: {e}"
             ranks = llm.collective_rpc(disarm, args=(step.get("weights", False),))
             out["steps"].append({"error": error, "logprobs": logprobs(), "lines": [r["line"] for r in ranks],
-                                 **({k: [r[k] for r in ranks] for k in ("loaded", "fresh", "numel")}
+                                 **({k: [r[k] for r in ranks] for k in ("loaded", "now", "fresh", "numel")}
                                     if step.get("weights") else {})})
     finally:
         llm.llm_engine.engine_core.shutdown()
