@@ -354,6 +354,7 @@ def test_a_checkpoint_in_the_page_cache_is_copied_out_at_once(llama_copy, dtype)
         stats = replace(reads.stats)
         with AtOnce(reads) as again:
             consume(lazy_weights(ckpt, Served(again)))  # the same bytes, after the writes into the op's copies
+    assert reads.copied_from == "the checkpoint in the page cache"  # the log line's reason, still known once left
     ref = reference_tensors(llama_copy)
     for name, t in ref.items():
         assert torch.equal(params[name], cuts[name](t).to(params[name].dtype)), name

@@ -8,7 +8,9 @@ cache, so the tests that tell two nodes apart run each node alone, from a cold c
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import shutil
 import tempfile
@@ -27,7 +29,7 @@ import raylazy
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
-from raylazy.io import shared
+from raylazy.io import mapping, shared
 from raylazy.io.cooperative import read_rank_cooperative
 from raylazy.io.nodes import node_read
 from raylazy.io.shared import ReadyMap, shm_dir
@@ -183,6 +185,40 @@ def test_readers_without_populate_read_into_scratch(llama_dir):
     assert not any(results[r][3]["populated"] for r in range(4))
     readers = [results[r][1] for r in range(4) if results[r][3]["preadv"]]
     assert readers and all(0 < s.staging_bytes <= READERS.stripe_readers * 8192 for s in readers)
+
+
+#: A hardware memory error met populating (Linux's EHWPOISON; Python's errno module lacks the name).
+EHWPOISON = 133
+
+
+@pytest.mark.parametrize("err", (errno.EINVAL, errno.EFAULT, EHWPOISON), ids=("unsupported", "failed", "poisoned"))
+def test_only_a_kernel_without_populate_makes_readers_read_into_scratch(tmp_path, monkeypatch, err):
+    """madvise(MADV_POPULATE_READ) refused with EINVAL (a kernel before 5.14): `populate` says so, and the process
+    reads into scratch from then on. Any other error (EFAULT: the storage failed a page; EHWPOISON) is raised,
+    not read around."""
+    path = tmp_path / "file"
+    path.write_bytes(os.urandom(2 * mmap.PAGESIZE))
+    calls = []
+
+    def madvise(address, length, advice):
+        calls.append(advice)
+        ctypes.set_errno(err)
+        return -1
+
+    monkeypatch.setattr(mapping, "_POPULATE", mapping._POPULATE or 22)  # put back after the test
+    monkeypatch.setattr(mapping, "_libc", SimpleNamespace(madvise=madvise))
+    maps = {}
+    with open(path, "rb") as f:
+        stripe = SimpleNamespace(file=0, start=0, end=mmap.PAGESIZE)
+        if err == errno.EINVAL:
+            assert mapping.populate(SimpleNamespace(fd=f.fileno()), stripe, maps) is False
+            assert mapping._POPULATE == 0 and not mapping.populates()
+        else:
+            with pytest.raises(OSError) as e:
+                mapping.populate(SimpleNamespace(fd=f.fileno()), stripe, maps)
+            assert e.value.errno == err and mapping._POPULATE
+        maps.clear()
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("options", (ReaderOptions(), READERS), ids=("kernel", "readers"))
