@@ -31,8 +31,8 @@ from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
 from raylazy.io import mapping, shared
 from raylazy.io.cooperative import read_rank_cooperative
-from raylazy.io.nodes import node_read
-from raylazy.io.shared import ReadyMap, shm_dir
+from raylazy.io.nodes import node_read, node_reads
+from raylazy.io.shared import FAILED, READY, ReadyMap, shm_dir
 from raylazy.io.stats import io_delta, proc_io
 from raylazy.planning import make_plan
 from tests.support import RANK_PROCESSES
@@ -289,11 +289,14 @@ def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
         if shm_dir() == "/dev/shm":  # tmpfs: the memory is given back
             assert os.fstat(fd).st_blocks == 0
         monkeypatch.setattr(shared.os, "posix_fallocate", _no_room)
+        monkeypatch.setattr(shared.os, "statvfs", lambda path: SimpleNamespace(f_bavail=3, f_frsize=4096))
         with pytest.raises(ConfigurationError, match=r"no room to stage .*backend='exchange'") as err:
             ready.reserve(sched.stripes[1])
+        monkeypatch.undo()
         t = sched.stripes[1]
         union = sum(x.end - x.start for x in sched.stripes)
         assert f"bytes {t.start}-{t.end} of file {t.file}" in str(err.value) and f"{union} bytes in all" in str(err.value)
+        assert "12288 free" in str(err.value)
     finally:
         ready.done()
     assert not os.path.exists(ready.path)
@@ -309,6 +312,64 @@ def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
 
 def _no_room(fd, offset, length):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_failed_node_read_leaves_no_ready_map_or_stage_behind(llama_dir):
+    """A reader that fails marks its stripes not yet ready as failed (its keepers stop waiting for them), a ready
+    one stays ready. The last of a node's ranks to finish removes the ready map, and the stages' names where a
+    rank failed before it opened them; where a rank's process died, the driver's `remove_ready_maps` removes the
+    load's files and no other load's."""
+    sched = with_node_schedules(make_plan(llama_dir, 2), ["n"] * 2, stripe_bytes=8192).nodes[0]
+    rp = make_plan(llama_dir, 2).ranks[0]
+    load = f"test{os.getpid()}x{time.monotonic_ns()}"
+    first = ReadyMap(load, sched, staged=True)
+    first.stage(rp)  # one of two ranks opened the stages: their names stay
+    stages = {first._stage_path(f) for f in first.stages}
+    assert stages and all(os.path.exists(p) for p in stages)
+    second = ReadyMap(load, sched, staged=True)  # a rank that fails before it opens the stages
+    second.mark(0)
+    second.fail([0, 1, 2])
+    assert list(first.flags[:3]) == [READY, FAILED, FAILED]
+    first.done()
+    assert os.path.exists(first.path)
+    second.done()
+    assert not os.path.exists(first.path) and not any(os.path.exists(p) for p in stages)
+
+    other = ReadyMap(f"{load}y", sched, staged=True)
+    try:
+        dead = ReadyMap(load, sched, staged=True)
+        dead.stage(rp)  # a rank killed here would leave the ready map and the stages named
+        left = [dead.path, *(dead._stage_path(f) for f in dead.stages)]
+        shared.remove_ready_maps(load)
+        assert not any(os.path.exists(p) for p in left) and os.path.exists(other.path)
+        dead.done()
+    finally:
+        other.done()  # one of its two ranks: its file stays, for this test to remove
+        shared.remove_ready_maps(f"{load}y")
+
+
+def test_only_exchanging_nodes_are_asked_where_they_meet_and_only_nodes_with_no_page_cache_stage(llama_dir):
+    """`node_reads` asks where the nodes meet once, for the exchanging nodes only (their first ranks), and each
+    rank's node read carries its node's address; a cooperative node stages its bytes only where its files share no
+    page cache (object storage here)."""
+    plan = make_plan(llama_dir, 4)
+    asked = []
+
+    def meet(ranks):
+        asked.append(ranks)
+        return [f"at{r}" for r in ranks]
+
+    nodes, cpus = ["a", "a", "b", "b"], ["cpu"] * 4
+    _, reads = node_reads(plan, nodes, cpus, ReaderOptions(), "load", meet)
+    assert asked == [] and [(r.reader.backend, r.node_read.address) for r in reads] == [("cooperative", "")] * 4
+    _, reads = node_reads(plan, nodes, cpus, ReaderOptions(backend="exchange"), "load", meet)
+    assert asked == [[0, 2]] and [r.node_read.address for r in reads] == ["at0", "at0", "at2", "at2"]
+
+    local = with_node_schedules(make_plan(llama_dir, 2), ["n"] * 2)
+    s3 = local.model_copy(update={"files": tuple(f.model_copy(update={"uri": f"s3://bucket/{os.path.basename(f.uri)}"})
+                                                 for f in local.files)})
+    assert [node_read(b, p, p.nodes[0], "load").staged for b in ("cooperative", "exchange") for p in (local, s3)] == [
+        False, True, False, False]
 
 
 def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):
