@@ -5,6 +5,7 @@ bytes are read; its copies, replayed, or a second run of it, leave exactly what 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import threading
 import time
@@ -156,7 +157,7 @@ def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
 def _gloo_member(rank: int, rendezvous: str, queue) -> None:
     """One of two processes gathering over gloo (`ProcessGroupNode`): rank 0 starts its part (None) and waits for
     it only after 0.5 s of other work, as a worker copying at once does; rank 1 gathers an object too large for a
-    slot at once; then both gather a small one."""
+    slot at once; then both gather a small one, then one whose pickle just fills a slot."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
@@ -168,15 +169,26 @@ def _gloo_member(rank: int, rendezvous: str, queue) -> None:
             first = gathered()
         else:
             first = node.gather(list(range(1000)))()
-        queue.put((rank, first, node.gather(("small", rank))()))
+        small = node.gather(("small", rank))()
+        queue.put((rank, first, small, node.gather(_slot_full(rank))()))
     finally:
         dist.destroy_process_group()
 
 
+def _slot_full(rank: int) -> bytes:
+    """Bytes whose pickle is exactly as long as a gathering's slot carries."""
+    overhead = len(pickle.dumps(b""))
+    out = bytes([rank]) * (ProcessGroupNode.INLINE - overhead)
+    while len(pickle.dumps(out)) > ProcessGroupNode.INLINE:  # a longer length field
+        out = out[:-1]
+    return out
+
+
 def test_a_process_group_gathers_what_each_process_sends(tmp_path):
     """Two processes over gloo, as vLLM's workers gather: one starts its part early and waits late, the other
-    sends more than a slot holds (a second all_gather), then both send small objects (one): each gets every
-    process's object, in rank order."""
+    sends more than a slot holds (a second all_gather), then both send small objects (one), then objects that
+    just fill a slot: each gets every process's object, in rank order."""
+    assert all(len(pickle.dumps(_slot_full(r))) == ProcessGroupNode.INLINE for r in (0, 1))
     queue = RANK_PROCESSES.Queue()
     procs = [RANK_PROCESSES.Process(target=_gloo_member, args=(r, str(tmp_path / "rendezvous"), queue)) for r in (0, 1)]
     for p in procs:
@@ -186,7 +198,7 @@ def test_a_process_group_gathers_what_each_process_sends(tmp_path):
         p.join(30)
     assert [p.exitcode for p in procs] == [0, 0]
     for rank in (0, 1):
-        assert got[rank] == [[None, list(range(1000))], [("small", 0), ("small", 1)]]
+        assert got[rank] == [[None, list(range(1000))], [("small", 0), ("small", 1)], [_slot_full(0), _slot_full(1)]]
 
 
 @pytest.mark.parametrize("replay", [True, False])

@@ -27,6 +27,7 @@ import torch
 
 import raylazy
 from raylazy.core.options import ReaderOptions
+from raylazy.core.plans import Stripe
 from raylazy.core.schedule import with_node_schedules
 from raylazy.errors import ConfigurationError, FileChangedError, RankFailedError, ReadError
 from raylazy.io import mapping, shared
@@ -288,6 +289,9 @@ def test_stages_live_in_shared_memory_and_give_it_back(llama_dir, monkeypatch):
         ready.release([0])
         if shm_dir() == "/dev/shm":  # tmpfs: the memory is given back
             assert os.fstat(fd).st_blocks == 0
+            u = next(x for x in sched.stripes if x.file == s.file and (x.end & x.start) > x.end - x.start)
+            ready.reserve(u)  # its room allocated and its page tables filled ahead: not a page more
+            assert os.fstat(fd).st_blocks * 512 == u.end - u.start
         monkeypatch.setattr(shared.os, "posix_fallocate", _no_room)
         monkeypatch.setattr(shared.os, "statvfs", lambda path: SimpleNamespace(f_bavail=3, f_frsize=4096))
         with pytest.raises(ConfigurationError, match=r"no room to stage .*backend='exchange'") as err:
@@ -317,8 +321,9 @@ def _no_room(fd, offset, length):
 def test_a_failed_node_read_leaves_no_ready_map_or_stage_behind(llama_dir):
     """A reader that fails marks its stripes not yet ready as failed (its keepers stop waiting for them), a ready
     one stays ready. The last of a node's ranks to finish removes the ready map, and the stages' names where a
-    rank failed before it opened them; where a rank's process died, the driver's `remove_ready_maps` removes the
-    load's files and no other load's."""
+    rank failed before it opened them (a second rank opens a map of any size: past 256 bytes, Python's ints are
+    not shared objects); where a rank's process died, the driver's `remove_ready_maps` removes the load's files and
+    no other load's."""
     sched = with_node_schedules(make_plan(llama_dir, 2), ["n"] * 2, stripe_bytes=8192).nodes[0]
     rp = make_plan(llama_dir, 2).ranks[0]
     load = f"test{os.getpid()}x{time.monotonic_ns()}"
@@ -334,6 +339,11 @@ def test_a_failed_node_read_leaves_no_ready_map_or_stage_behind(llama_dir):
     assert os.path.exists(first.path)
     second.done()
     assert not os.path.exists(first.path) and not any(os.path.exists(p) for p in stages)
+    many = sched.model_copy(update={"stripes": tuple(Stripe(0, i << 12, (i + 1) << 12, 0) for i in range(100))})
+    maps = [ReadyMap(f"{load}z", many) for _ in many.ranks]  # a map of 332 bytes, opened by a second rank
+    for m in maps:
+        m.done()
+    assert not os.path.exists(maps[0].path)
 
     other = ReadyMap(f"{load}y", sched, staged=True)
     try:
@@ -370,6 +380,12 @@ def test_only_exchanging_nodes_are_asked_where_they_meet_and_only_nodes_with_no_
                                                  for f in local.files)})
     assert [node_read(b, p, p.nodes[0], "load").staged for b in ("cooperative", "exchange") for p in (local, s3)] == [
         False, True, False, False]
+    # staged, a rank fetches the bytes it alone keeps straight into its shards: direct stripes, there only
+    direct = {(name, backend): bool(p.nodes[0].direct) for name, plan in (("local", local), ("s3", s3))
+              for backend in ("cooperative", "exchange")
+              for p, _ in [node_reads(plan, ["n"] * 2, ["cpu"] * 2, ReaderOptions(backend=backend), "load", meet)]}
+    assert direct == {("local", "cooperative"): False, ("s3", "cooperative"): True, ("local", "exchange"): False,
+                      ("s3", "exchange"): False}
 
 
 def test_dead_reader_fails_its_keepers_with_a_clear_error(llama_dir):
