@@ -518,12 +518,14 @@ def test_shapes_and_errors_match_torch(llama_dir):
     for op in (lambda x: x[..., 1:3], lambda x: x[-2:], lambda x: x[3], lambda x: x[None, 1:2], lambda x: x.t(),
                lambda x: x.unsqueeze(0).unbind()[0], lambda x: x.unsqueeze(-1).squeeze(-1).transpose(0, 1)[2:5],
                lambda x: x.reshape(1, *x.shape, 1), lambda x: x[1:2].reshape(-1, x.shape[1]).squeeze(),
-               lambda x: x.T.contiguous().permute(1, 0)):
+               lambda x: x.T.contiguous().permute(1, 0), lambda x: x[None][0:1, 1:3, 2:5],
+               lambda x: x.unsqueeze(1).narrow(1, 0, 0), lambda x: x.unsqueeze(0).narrow(0, 0, 0)):
         assert op(w).shape == op(t).shape
         assert (op(w).ndim, op(w).dim(), op(w).numel(), op(w).size()) == (op(t).ndim, op(t).dim(), op(t).numel(),
                                                                           op(t).size())
     assert [p.shape for p in w.split([1, w.shape[0] - 1])] == [p.shape for p in t.split([1, t.shape[0] - 1])]
     assert w.dtype == torch.bfloat16 and w.to(torch.float32).dtype == torch.float32 and w.float().ndim == t.ndim
+    assert w.half().float().dtype == torch.float32 and w.float().half().dtype == torch.float16  # a chain's last
 
 
 @pytest.mark.parametrize("dst, src", [((3,), (1, 3)), ((2, 3), (3,)), ((2, 3), (1, 3)), ((2, 3), (2, 1)),
