@@ -479,6 +479,31 @@ def test_a_copy_into_a_tensor_not_watched_is_run_again(llama_dir):
     assert all(torch.equal(params[n], cuts[n](t)) for n, t in ref.items())
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 3), (2, 3)])
+def test_an_empty_weight_copied_by_index_does_what_eager_torch_does(tmp_path, shape):
+    """`dst[i] = w` with a weight of no elements: copied (nothing) where eager torch copies it, into a destination
+    of the same empty shape, and refused where eager torch refuses it, into a row of 3."""
+    save_file({"empty": torch.empty(0, 3), "rows": torch.ones(2, 3)}, str(tmp_path / "model.safetensors"))
+    eager, lazy = torch.zeros(shape), torch.zeros(shape)
+    try:
+        eager[1] = torch.empty(0, 3)
+    except RuntimeError:
+        eager = None
+    assert (eager is None) == (shape == (2, 3))
+
+    def consume(weights):
+        for name, w in weights:
+            if name == "empty":
+                lazy[1] = w
+
+    if eager is None:
+        with pytest.raises(RuntimeError):
+            _run(str(tmp_path), consume, watch=lambda: {"dst": lazy})
+    else:
+        _run(str(tmp_path), consume, watch=lambda: {"dst": lazy})
+        assert lazy.shape == eager.shape
+
+
 def test_each_file_is_checked_once_per_load(llama_dir, monkeypatch):
     """However many batches, a file is opened and its header checked once (the readers share the load's sources)."""
     opened = []
