@@ -192,7 +192,8 @@ class NodeSchedule(_Frozen):
     `ranks` (global ranks; the local rank is the index). Stripes are sorted by (file, start) and disjoint;
     each reader's stripes are one contiguous run of the union, so it reads sequentially, but for `direct`: the
     indices of stripes only their reader keeps bytes of, inside one contiguous read of its shards, which it reads
-    straight into the shard (staged cooperative reads; `node_schedule(direct=True)`)."""
+    straight into the shard (staged cooperative reads; `node_schedule(direct=True)`), and the short runs of
+    stripes beside them that their reader fetches in the same requests (`request_runs`)."""
 
     node: str
     ranks: tuple[int, ...]

@@ -28,6 +28,9 @@ from .plans import NodeSchedule, Plan, RankPlan, Read, Stripe, TensorShard
 
 #: The page size stripes are aligned to.
 PAGE = 4096
+#: Pages of other bytes beside a block read straight into a shard that its reader fetches in the same request (a
+#: request of its own would cost more than its bytes).
+EDGE_PAGES = 16
 
 
 class Part(NamedTuple):
@@ -210,7 +213,9 @@ def node_schedule(plan: Plan, ranks: Sequence[int], node: str = "node", stripe_b
 
     `direct`: the whole pages inside one contiguous read of a rank that no other rank of the node needs (a
     column-parallel weight's block) are stripes of their own, read by that rank straight into its shard
-    (`NodeSchedule.direct`); only the rest of the union is balanced between the readers."""
+    (`NodeSchedule.direct`); a short run of other pages beside such a block (the partial pages at its edges, a
+    norm between two blocks: at most `EDGE_PAGES`) is read by the same rank in the same request (`request_runs`),
+    the block's cuts shifted to leave it room; only the rest of the union is balanced between the readers."""
     if stripe_bytes < page:
         raise ConfigurationError(f"stripe_bytes must be at least one page ({page}), got {stripe_bytes}")
     stripe_bytes -= stripe_bytes % page
@@ -218,10 +223,18 @@ def node_schedule(plan: Plan, ranks: Sequence[int], node: str = "node", stripe_b
     union = node_union(plan, ranks, page, max_gap)
     owned = _owned(plan, ranks, page) if direct and len(ranks) > 1 else {}
     shared = {f: minus(spans, owned.get(f, [])) for f, spans in union.items()}
+    taken, extent = _beside(owned, shared, EDGE_PAGES * page)
+    shared = {f: minus(spans, taken.get(f, [])) for f, spans in shared.items()}
     total = sum(e - s for spans in shared.values() for s, e in spans)
-    direct_stripes = {Stripe(f, a, min(a + stripe_bytes, end), reader) for f, spans in owned.items()
-                      for start, end, reader in spans for a in range(start, end, stripe_bytes)}
-    stripes = list(direct_stripes)
+    stripes, direct_stripes = [], set()
+    for f, spans in owned.items():
+        for start, end, reader in spans:
+            lo, hi = extent.get((f, start, end), (start, end))
+            cuts = sorted({*range(lo, hi, stripe_bytes), start, end, hi})
+            for a, b in zip(cuts, cuts[1:]):
+                stripes.append(Stripe(f, a, b, reader))
+                if start <= a < end:
+                    direct_stripes.add(stripes[-1])
     k, done = 0, 0  # the current reader (index into ranks) and the shared bytes before the current span
     for f in sorted(shared):
         for start, end in shared[f]:
@@ -243,6 +256,39 @@ def node_schedule(plan: Plan, ranks: Sequence[int], node: str = "node", stripe_b
     stripes.sort(key=lambda s: (s.file, s.start))
     return NodeSchedule.model_construct(node=node, ranks=ranks, stripe_bytes=stripe_bytes, stripes=tuple(stripes),
                                         direct=tuple(i for i, s in enumerate(stripes) if s in direct_stripes))
+
+
+def _beside(owned: dict[int, list[tuple[int, int, int]]], shared: dict[int, list[tuple[int, int]]],
+            most: int) -> tuple[dict[int, list[tuple[int, int]]], dict[tuple[int, int, int], tuple[int, int]]]:
+    """The shared spans of at most `most` bytes that touch an owned span, each read with one (the owned span it
+    follows, else the one it precedes): (file -> those spans, sorted; (file, start, end) of an owned span -> its
+    extent with the spans read with it)."""
+    taken: dict[int, list[tuple[int, int]]] = {}
+    extent: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for f, spans in owned.items():
+        ends, starts = {b: (a, b) for a, b, _ in spans}, {a: (a, b) for a, b, _ in spans}
+        for a, b in shared.get(f, []):
+            span = ends.get(a) or starts.get(b)
+            if b - a <= most and span:
+                lo, hi = extent.get((f, *span), span)
+                extent[(f, *span)] = (min(lo, a), max(hi, b))
+                taken.setdefault(f, []).append((a, b))
+    return taken, extent
+
+
+def request_runs(sched: NodeSchedule, rank: int) -> list[tuple[int, ...]]:
+    """The stripes `rank` reads (`NodeSchedule.read_by`) as one request each where it reads them into buffers
+    (staged): runs of adjacent stripes (one ending where the next begins) of at most `stripe_bytes` together."""
+    runs: list[list[int]] = []
+    for i in sched.read_by(rank):
+        s = sched.stripes[i]
+        if runs:
+            first, last = sched.stripes[runs[-1][0]], sched.stripes[runs[-1][-1]]
+            if (last.file, last.end) == (s.file, s.start) and s.end - first.start <= sched.stripe_bytes:
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return [tuple(r) for r in runs]
 
 
 def _owned(plan: Plan, ranks: tuple[int, ...], page: int) -> dict[int, list[tuple[int, int, int]]]:

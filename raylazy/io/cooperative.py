@@ -54,7 +54,7 @@ from itertools import groupby
 
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, RankPlan
-from ..core.schedule import NodeRead, rank_keeps
+from ..core.schedule import NodeRead, rank_keeps, request_runs
 from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
 from ..storage.verified import check_given_up
@@ -91,8 +91,10 @@ def read_rank_cooperative(
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
+    # staged, runs of adjacent stripes are one request each (`request_runs`); else each stripe is populated alone
+    runs = request_runs(sched, plan.rank) if staged else [(i,) for i in mine]
     # this rank's stripe readers (none: the kernel reads); staged, as many as the storage serves requests at once
-    threads = min(options.threads if staged else options.stripe_readers, len(mine))
+    threads = min(options.threads if staged else options.stripe_readers, len(runs))
     kept = {k.part.read.file for k in keeps}
     files = (set() if staged else kept) | ({sched.stripes[i].file for i in mine} if threads else set())
     size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
@@ -112,7 +114,7 @@ def read_rank_cooperative(
             # network storage: read out of the page cache instead (a failed read met through a mapping is a SIGBUS)
             maps = stack.enter_context(mapped_files({f: sources[f] for f in kept} if node_read.mapped else {}))
             direct = {}
-        readers = stack.enter_context(_stripe_readers(plan, sched, mine, threads, sources, ready, size, direct))
+        readers = stack.enter_context(_stripe_readers(plan, sched, runs, threads, sources, ready, size, direct))
         with _one_intra_op_thread(torch):
             _keep(plan, sched, keeps, sources, maps, ready, buffers, counter, readers, options.stripe_timeout_s,
                   direct)
@@ -122,7 +124,7 @@ def read_rank_cooperative(
     # the rank's share of its node's union as scheduled (the node reads the union once: its readers, or the
     # kernel on the copies' page faults when there are none, whose requests are not the rank's own)
     stats.bytes_read = sum(sched.stripes[i].end - sched.stripes[i].start for i in mine)
-    stats.requests = len(mine) if threads else 0
+    stats.requests = len(runs) if threads else 0
     stats.in_flight, stats.request_bytes = threads, sched.stripe_bytes if threads else 0
     stats.bytes_received = sum(k.part.bytes_needed for k in keeps if sched.stripes[k.stripe].reader != plan.rank)
     # populating the page cache stages nothing; staged, the node's bytes in flight are shared memory, not the rank's
@@ -168,22 +170,22 @@ def _ready_map(load_id: str, sched: NodeSchedule, mine: tuple[int, ...], staged:
 
 
 @contextmanager
-def _stripe_readers(plan: RankPlan, sched: NodeSchedule, mine: tuple[int, ...], threads: int, sources: dict,
+def _stripe_readers(plan: RankPlan, sched: NodeSchedule, runs: list[tuple[int, ...]], threads: int, sources: dict,
                     ready: ReadyMap | None, size: int, direct: dict) -> Iterator[list]:
-    """`threads` threads reading this rank's stripes (`_read_stripes`); yields their futures (none without
-    threads); on leaving, they stop after their current stripe (on an error, this rank's stripes not yet ready are
-    marked failed first)."""
+    """`threads` threads reading this rank's stripes, run by run (`_read_stripes`); yields their futures (none
+    without threads); on leaving, they stop after their current run (on an error, this rank's stripes not yet
+    ready are marked failed first)."""
     if not threads:
         yield []
         return
-    stop, todo = threading.Event(), iter(mine)
+    stop, todo = threading.Event(), iter(runs)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raylazy-stripe") as pool:
         try:
             yield [pool.submit(copy_context().run, _read_stripes, plan, sched, todo, sources, ready, size, stop,
                                direct)
                    for _ in range(threads)]  # each in the load's context (`raylazy.storage.Load`)
         except BaseException:
-            ready.fail(mine)  # now: the peers stop waiting before a read blocked in the kernel returns
+            ready.fail(sched.read_by(plan.rank))  # now: the peers stop waiting before a read blocked in the kernel returns
             raise
         finally:
             stop.set()
@@ -203,28 +205,29 @@ def _one_intra_op_thread(torch) -> Iterator[None]:
 
 def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, ready: ReadyMap, size: int,
                   stop: threading.Event, direct: dict) -> None:
-    """One reader thread: take the next of this rank's stripes (shared iterator), bring it whole into the page
-    cache (`_populate`, else a read into a scratch buffer of `size` bytes), or staged into its stage, or a direct
-    one into the shard (`direct`), mark it ready; repeat until none is left or `stop` is set."""
+    """One reader thread: take the next run of this rank's stripes (shared iterator), bring it whole into the page
+    cache (`_populate`, else a read into a scratch buffer of `size` bytes), or staged in one request, each stripe
+    into its stage or, a direct one, into the shard (`direct`), mark them ready; repeat until none is left or
+    `stop` is set."""
     view = None
     # file -> (mapping, its address): a shared read-only mapping of the reader's own; populating through the
     # keeper's private mapping instead was slower (docs/cooperative.md, "Why no stripe readers by default")
     maps: dict[int, tuple[mmap.mmap, int]] = {}
     try:
-        for i in todo:  # next() on a shared list iterator is atomic under the GIL
+        for run in todo:  # next() on a shared list iterator is atomic under the GIL
             if stop.is_set():
                 return
-            s = sched.stripes[i]
+            s, last = sched.stripes[run[0]], sched.stripes[run[-1]]
             source = sources[s.file]
-            # its room in the shard, or in shared memory (taken first)
-            staged = direct[i] if i in direct else ready.reserve(s) if ready.staged else None
-            with reading(source, f"rank {plan.rank} reading stripe {i} (bytes {s.start}-{s.end})"):
-                if staged is not None:
-                    source.readinto(s.start, [staged])
+            with reading(source, f"rank {plan.rank} reading stripes {run[0]}-{run[-1]} (bytes {s.start}-{last.end})"):
+                if ready.staged:  # each stripe into its room in the shard, or in shared memory (taken first)
+                    source.readinto(s.start, [direct[i] if i in direct else ready.reserve(sched.stripes[i])
+                                              for i in run])
                 elif not populate(source, s, maps):
                     view = view or memoryview(bytearray(size))
                     source.readinto(s.start, [view[: s.end - s.start]])
-            ready.mark(i)
+            for i in run:
+                ready.mark(i)
     finally:
         unmap_later(maps)
 

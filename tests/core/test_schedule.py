@@ -16,6 +16,7 @@ from raylazy.core.header import parse_header
 from raylazy.core.placements import Fused, Replicated, Split
 from raylazy.core.plans import Plan
 from raylazy.core.schedule import (
+    EDGE_PAGES,
     RankSchedule,
     group_by_node,
     node_rows,
@@ -23,6 +24,7 @@ from raylazy.core.schedule import (
     node_schedules,
     rank_keeps,
     rank_schedule,
+    request_runs,
     with_node_schedules,
 )
 from raylazy.errors import ConfigurationError
@@ -232,7 +234,9 @@ def _check_node(plan, sched, files: list[bytes], page: int) -> None:
     assert sched.nbytes == sum(min((p + 1) * page, plan.files[f].size) - p * page
                                for f, ps in got_pages.items() for p in ps)
     _check_direct(plan, sched, page)
-    shared = [s for i, s in enumerate(stripes) if i not in sched.direct]
+    edges = _check_edges(plan, sched, page)
+    _check_requests(sched)
+    shared = [s for i, s in enumerate(stripes) if i not in sched.direct and i not in edges]
     readers = [s.reader for s in shared]  # each reader's stripes are one run, readers in rank order
     runs = [r for i, r in enumerate(readers) if i == 0 or readers[i - 1] != r]
     assert runs == sorted(set(runs), key=sched.ranks.index)
@@ -282,6 +286,47 @@ def _check_direct(plan, sched, page: int) -> None:
     assert sched.staged_bytes == sched.nbytes - len(got) * page
 
 
+def _check_edges(plan, sched, page: int) -> set[int]:
+    """Each run of at most EDGE_PAGES consecutive needed pages outside the direct stripes that touches one (by brute
+    force over the pages) is read by that direct stripe's reader, the one before it where both; returns the indices
+    of the stripes holding them."""
+    owner = {(s.file, p): s.reader for s in (sched.stripes[i] for i in sched.direct)
+             for p in range(s.start // page, s.end // page)}
+    want = {}
+    for f, pages in _needed_pages(plan, sched.ranks, page).items():
+        rest = sorted(p for p in pages if (f, p) not in owner)
+        runs: list[list[int]] = []
+        for p in rest:
+            if runs and p == runs[-1][-1] + 1:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        for run in runs:
+            reader = owner.get((f, run[0] - 1), owner.get((f, run[-1] + 1)))
+            if len(run) <= EDGE_PAGES and reader is not None:
+                want.update({(f, p): reader for p in run})
+    got = {(s.file, p): s.reader for i, s in enumerate(sched.stripes) if i not in sched.direct
+           for p in range(s.start // page, -(-s.end // page)) if (s.file, p) in want}
+    assert got == want
+    return {i for i, s in enumerate(sched.stripes) if (s.file, s.start // page) in want}
+
+
+def _check_requests(sched) -> None:
+    """A rank's request runs are its stripes in order, each run adjacent stripes of at most stripe_bytes together,
+    and no two runs one after the other could be one."""
+    for rank in sched.ranks:
+        runs = request_runs(sched, rank)
+        assert [i for run in runs for i in run] == list(sched.read_by(rank))
+        spans = []
+        for run in runs:
+            s = [sched.stripes[i] for i in run]
+            assert all((a.file, a.end) == (b.file, b.start) for a, b in zip(s, s[1:]))
+            assert s[-1].end - s[0].start <= sched.stripe_bytes
+            spans.append((s[0].file, s[0].start, s[-1].end))
+        for (f, a, b), (g, c, d) in zip(spans, spans[1:]):
+            assert not ((f, b) == (g, c) and d - a <= sched.stripe_bytes), "two requests could be one"
+
+
 @pytest.mark.parametrize("stripe,page", [(64, 64), (96, 32), (1 << 20, 4096), (4096, 4096)])
 @pytest.mark.parametrize("tp", (1, 2, 3, 4))
 @pytest.mark.parametrize("direct", (False, True))
@@ -317,11 +362,34 @@ def test_node_schedule_of_real_checkpoints(model_dir, tp):
     direct = node_schedule(plan, range(tp), "n", 8192, direct=True)
     assert direct.direct or tp > 2, "a column-parallel block is read straight into its shard"
     _check_node(plan, direct, files, 4096)
+    # the partial pages at a block's edges go with the block: fewer requests than stripes
+    assert sum(len(request_runs(direct, r)) for r in range(tp)) < len(direct.stripes) or not direct.direct
     # two nodes: each reads only (all of) its own ranks' union
     half = node_schedules(plan, ["a"] * (tp // 2) + ["b"] * (tp - tp // 2), 8192)
     assert [n.node for n in half] == ["a", "b"]
     for n in half:
         _check_node(plan, n, files, 4096)
+
+
+def test_a_short_run_of_shared_pages_after_a_block_is_read_with_it():
+    """A replicated tensor between two column-parallel blocks: its pages (with the blocks' partial pages at its
+    ends) are read by the rank of the block before it, in that block's last request, while they are at most
+    EDGE_PAGES; past that they are shared out between the readers."""
+    page, seen = 16, {}
+    for n in range((EDGE_PAGES - 3) * page, (EDGE_PAGES + 2) * page, page // 2):
+        ckpt, blob = _checkpoint({"a": ("U8", (2, 8 * page), 1), "r": ("U8", (n,), 1), "b": ("U8", (2, 8 * page), 1)})
+        plan = make_plan(ckpt, 2, rules=[("a", Split(0)), ("r", Replicated()), ("b", Split(0))], preset=None)
+        sched = node_schedule(plan, range(2), "n", 4 * page, page, direct=True)
+        _check_node(plan, sched, [blob], page)
+        (r,) = [t.reads[0] for t in plan.ranks[0].tensors if t.name == "r"]
+        # the stripes between a's block of rank 1 and b's of rank 0
+        block = max(i for i in sched.direct if sched.stripes[i].end <= r.offset)
+        after = min(i for i in sched.direct if sched.stripes[i].start >= r.offset + r.length)
+        between = sched.stripes[block + 1 : after]
+        seen[sum(s.end - s.start for s in between) // page] = {s.reader for s in between}
+        if {s.reader for s in between} == {1}:
+            assert any(block in run and block + 1 in run for run in request_runs(sched, 1))
+    assert seen[EDGE_PAGES] == {1} and seen[EDGE_PAGES + 1] == {0, 1}, seen
 
 
 def test_replicated_bytes_are_read_once_per_node():
