@@ -7,6 +7,7 @@ GB/s, bytes fetched / needed and requests; and the planning's requests.
     python -m benchmarks.s3 --first-byte-ms 30 --connection-mbps 50     # a remote store, emulated by the proxy
     python -m benchmarks.s3 --extremes --tp 2 4               # also every row-split read whole / row by row
     python -m benchmarks.s3 --plan-before /path/to/an/older/checkout     # its planning's requests, for comparison
+    python -m benchmarks.s3 --tp 2 4 --no-alone --no-proxy    # straight to SeaweedFS: what the proxy costs each loader
 
 Loaders, each rank in a fresh process and one process (or node) at a time, so the proxy's counts are its own;
 seconds are the load call only (not starting Python or importing torch):
@@ -273,8 +274,9 @@ class Bench:
         c = self.server.reset()
         if key and res["digest"]:
             self.digests.setdefault(key, set()).add(res["digest"])
-        self._row(dict(row, seconds=res["seconds"], cpu_s=res["cpu_s"], bytes=c.get_bytes(), requests=len(c.requests),
-                       in_flight=c.most_in_flight))
+        counted = self.options["endpoint"] == self.server.endpoint
+        self._row(dict(row, seconds=res["seconds"], cpu_s=res["cpu_s"], bytes=c.get_bytes() if counted else None,
+                       requests=len(c.requests) if counted else None, in_flight=c.most_in_flight if counted else None))
 
     def _row(self, row: dict) -> None:
         self.rows.append(row)
@@ -288,15 +290,17 @@ class Bench:
 
 def run(model_dir: str, tps: list[int], out: str, repeat: int = 1, extremes: bool = False, nodes: bool = True,
         alone: bool = True, first_byte_s: float = 0.0, connection_bps: float = 0.0, plan_before: str | None = None,
-        log=print) -> list[dict]:
+        proxy: bool = True, log=print) -> list[dict]:
     from .s3server import S3Server
 
     server = S3Server()
     server.first_byte_s, server.connection_bps = first_byte_s, connection_bps
     try:
         uri = server.upload_dir(model_dir, BUCKET, "model")
-        bench = Bench(server, uri, dict(endpoint=server.endpoint, allow_http="true", **server.credentials), out, log)
-        for tp in tps:
+        # without the proxy nothing is counted (requests and bytes: None) and nothing is emulated
+        bench = Bench(server, uri, dict(endpoint=server.endpoint if proxy else server.direct, allow_http="true",
+                                        **server.credentials), out, log)
+        for tp in tps if proxy else ():
             bench.planning(tp, plan_before)
         bench.calibrate()
         for tp in tps:
@@ -307,7 +311,7 @@ def run(model_dir: str, tps: list[int], out: str, repeat: int = 1, extremes: boo
             for _ in range(repeat if nodes and tp > 1 else 0):
                 for loader in NODE:
                     bench.node(tp, loader)
-            if nodes and tp > 1 and not first_byte_s and not connection_bps:
+            if nodes and tp > 1 and not first_byte_s and not connection_bps and proxy:
                 bench.direct_get(tp)
         bench.check()
     finally:
@@ -320,8 +324,8 @@ def _line(r: dict) -> str:
     rate = f", {r['needed'] / r['seconds'] / 1e9:.2f} GB/s" if r["seconds"] and r["needed"] else ""
     cpu = f", CPU {r['cpu_s']:.2f} s" if r.get("cpu_s") is not None else ""
     return (f"{r['loader']:>14} {r['mode']:>6} tp={r['tp']} rank {r['rank']}: {secs}{rate}{cpu}, "
-            f"{r['bytes'] / 1e6:.1f} MB "
-            f"in {r['requests']} requests (at most {r['in_flight']} at once)")
+            + (f"{r['bytes'] / 1e6:.1f} MB in {r['requests']} requests (at most {r['in_flight']} at once)"
+               if r["bytes"] is not None else "not counted (no proxy)"))
 
 
 def table(rows: list[dict]) -> str:
@@ -333,11 +337,12 @@ def table(rows: list[dict]) -> str:
         est = f"{r['estimate']:.2f}" if r.get("estimate") is not None else ""
         rate = f"{r['needed'] / r['seconds'] / 1e9:.2f}" if r["seconds"] and r["needed"] else ""
         needed = f"{r['needed'] / 1e6:.1f}" if r["needed"] else ""
-        ratio = f"{r['bytes'] / r['needed']:.2f}" if r["needed"] else ""
+        ratio = f"{r['bytes'] / r['needed']:.2f}" if r["needed"] and r["bytes"] is not None else ""
+        fetched = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] is not None else ""
         cpu = f"{r['cpu_s']:.2f}" if r.get("cpu_s") is not None else ""
         lines.append(f"| {r['loader']} | {r['mode']} | {r['tp']} | {r['rank']} | {secs} | {est} | {rate} | {cpu} | "
                      f"{needed} | "
-                     f"{r['bytes'] / 1e6:.1f} | {ratio} | {r['requests']} | {r['in_flight']} |")
+                     f"{fetched} | {ratio} | {r['requests'] or ''} | {r['in_flight'] or ''} |")
     return "\n".join(lines)
 
 
@@ -358,8 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-byte-ms", type=float, default=0.0, help="the proxy waits this long before each answer")
     p.add_argument("--connection-mbps", type=float, default=0.0, help="MB/s each response is sent at (0: as fast as it can)")
     p.add_argument("--plan-before", default=None, help="an older checkout whose planning's requests to count too")
+    p.add_argument("--no-proxy", action="store_true", help="every loader straight to SeaweedFS (nothing counted)")
     p.add_argument("--out", default=None, help="directory for the plans, results.json and results.md")
     args = p.parse_args(argv)
+    if args.no_proxy and (args.first_byte_ms or args.connection_mbps or args.plan_before):
+        p.error("--no-proxy: the proxy emulates the remote store and counts the planning's requests")
     model_dir = args.model_dir or ensure_checkpoint(ModelSpec(vocab=8000, size_gb=args.size_gb, shard_size="100MB"))
     out = args.out or tempfile.mkdtemp(prefix="raylazy-bench-s3-")
     os.makedirs(out, exist_ok=True)
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint {model_dir}: {len(checkpoint_files(model_dir))} files, {size / 1e9:.2f} GB; results in {out}")
     rows = run(model_dir, args.tp, out, args.repeat, args.extremes, not args.no_nodes, not args.no_alone,
                args.first_byte_ms / 1e3,
-               args.connection_mbps * 1e6, args.plan_before)
+               args.connection_mbps * 1e6, args.plan_before, not args.no_proxy)
     md = table(rows)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -335,7 +335,8 @@ class socket_closed_port:
 @pytest.mark.slow
 def test_the_s3_benchmark_runs(llama_dir, tmp_path):
     """`python -m benchmarks.s3`'s harness on the tiny checkpoint (a rank alone; its own server): raylazy's and
-    Run:ai's shards are bit-identical (the run fails otherwise), the plain GET moves exactly the rank's bytes."""
+    Run:ai's shards are bit-identical (the run fails otherwise), the plain GET moves exactly the rank's bytes; and
+    without the proxy (`--no-proxy`)."""
     from benchmarks import s3 as bench
 
     rows = bench.run(llama_dir, [1], str(tmp_path), nodes=False, log=lambda line: None)
@@ -344,3 +345,8 @@ def test_the_s3_benchmark_runs(llama_dir, tmp_path):
     assert by["plan"]["requests"] == len(shard_files(llama_dir)) + 3  # LIST, index, shards, config.json
     assert by["get"]["bytes"] == by["get"]["needed"] == by["raylazy"]["needed"] == by["raylazy"]["bytes"]
     assert by["raylazy"]["estimate"] > 0 and "| raylazy | rank | 1 | 0 |" in bench.table(rows)
+    # straight to SeaweedFS: the same loaders, nothing counted (the proxy counts), no planning row
+    rows = bench.run(llama_dir, [1], str(tmp_path), nodes=False, proxy=False, log=lambda line: None)
+    assert [r["loader"] for r in rows] == ["raylazy", "runai", "get"]
+    assert all(r["seconds"] > 0 and r["bytes"] is r["requests"] is None for r in rows)
+    assert "| get | rank | 1 | 0 |" in bench.table(rows)
