@@ -6,6 +6,7 @@ the tests run their own consumers through the same two functions."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,20 +18,30 @@ from .lazy import lazy_weights
 from .recording import Recording, Served, in_place, overlapping, replay, wanted
 
 
-def at_once(consume: Callable, reads: RegionReader, group: NodeGroup | None):
+class Run(NamedTuple):
+    """A consumer's run: what it returned, how it was served ("at-once", "replay" or "rerun") and why not a replay
+    where it could not be, each region's takes (what a reload takes), and the recording where one was made."""
+
+    got: Any
+    mode: str
+    why: str
+    takes: dict
+    recording: Recording | None = None
+
+
+def at_once(consume: Callable, reads: RegionReader, group: NodeGroup | None) -> Run:
     """`consume(weights)` once, over lazy weights copied out of the page cache as it asks, then this process's part
     in the load's gathering (`AtOnce`: processes that found the checkpoint elsewhere record, and read together
-    without it): (what it returned, mode, why, each region's takes)."""
+    without it)."""
     with AtOnce(reads, group) as serving:
         got = consume(lazy_weights(reads.ckpt, Served(serving)))
-    return got, "at-once", reads.copied_from, dict(serving.taken)
+    return Run(got, "at-once", reads.copied_from, dict(serving.taken))
 
 
 def recorded(consume: Callable, targets: Callable[[], Iterable[torch.Tensor]], reads: RegionReader,
-             options: ServingOptions, device: torch.device, group: NodeGroup | None):
+             options: ServingOptions, device: torch.device, group: NodeGroup | None) -> Run:
     """`consume(weights)` recorded over lazy weights, the regions read (with the node's processes), then the
-    recording replayed (only into `targets()`: the model's parameters and buffers) or `consume` run again: (what
-    it returned, mode, why not a replay, each region's takes)."""
+    recording replayed (only into `targets()`: the model's parameters and buffers) or `consume` run again."""
     recording = Recording(reads.read_alone)
     with recording.watching():
         got = consume(lazy_weights(reads.ckpt, recording))
@@ -47,5 +58,5 @@ def recorded(consume: Callable, targets: Callable[[], Iterable[torch.Tensor]], r
             got = consume(lazy_weights(reads.ckpt, Served(serving)))
     reads.stats.count_opaque(recording.opaque)
     # a reload takes each copy's region as a replay or a rerun does, and an opaque one on each of its two runs
-    return (got, "replay" if replays else "rerun", recording.why_not_replayable,
-            wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}))
+    return Run(got, "replay" if replays else "rerun", recording.why_not_replayable,
+               wanted(recording.copies, {r: 2 * n for r, n in recording.opaque.items()}), recording)

@@ -38,17 +38,15 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig, options: Ser
                           f"worker {worker} could not open the checkpoint ({why}): no weight was written; fix its cause"),
                       taker(options, logger))
     with reads:
-        if reads.copies_at_once():
-            loaded, mode, why, takes = at_once(model.load_weights, reads, group)
-        else:
-            loaded, mode, why, takes = recorded(model.load_weights, lambda: itertools.chain(
-                model.parameters(), model.buffers()), reads, options, device, group)
+        run = at_once(model.load_weights, reads, group) if reads.copies_at_once() else recorded(
+            model.load_weights, lambda: itertools.chain(model.parameters(), model.buffers()), reads, options, device,
+            group)
     params = sum(p.nbytes for p in model.parameters())  # one call through each vLLM parameter's torch function
     seconds, rchar = meter.elapsed()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    logger.info(summary(rank, reads.stats, reads.ckpt.nbytes, params, mode, why, rchar, seconds))
-    keep(model, model_config, reads.ckpt, takes, params)
-    return loaded
+    logger.info(summary(rank, reads.stats, reads.ckpt.nbytes, params, run.mode, run.why, rchar, seconds))
+    keep(model, model_config, reads.ckpt, run.takes, params)
+    return run.got
 
 
 def reload_weights(model: torch.nn.Module, model_config: ModelConfig, options: ServingOptions):

@@ -255,9 +255,8 @@ def _recorded(ckpt_dir, code, params, options, group=None):
     ckpt = open_checkpoint(ckpt_dir)
     out = _params(params)
     with RegionReader(ckpt, options) as reads:
-        _, mode, _, takes = recorded(_consumer(code, out), out.values, reads, options, torch.device("cpu"),
-                                     group)
-    return out, mode, reads.stats, takes
+        run = recorded(_consumer(code, out), out.values, reads, options, torch.device("cpu"), group)
+    return out, run.mode, reads.stats, run.takes
 
 
 def _at_once(ckpt_dir, code, params, options):

@@ -134,20 +134,22 @@ def test_regions_read_match_safetensors(llama_dir, rank, replay, options):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype):
+def test_an_ordered_replay_converts_out_of_reused_buffers(llama_dir, dtype, monkeypatch):
     """Destinations of another dtype than the checkpoint's (bf16): nothing is read in place; a replay in batch order
-    reads every batch into one of batches_ahead + 1 buffers reused from batch to batch and converts as it copies,
-    leaving what safetensors' tensors converted with `.to(dtype)` are."""
+    (the destinations do not overlap) reads every batch into one of batches_ahead + 1 buffers reused from batch to
+    batch and converts as it copies, leaving what safetensors' tensors converted with `.to(dtype)` are."""
     consume, params, cuts = tp_consumer(1, 2, dtype)
-    buffers = set()
+    buffers, take = set(), Serving.take
 
-    def spy(serving):  # each take's copy starts late: the reader has time to reuse a buffer too early
-        take = serving.take
-        serving.take = lambda region, **kw: buffers.add((t := take(region, **kw)).untyped_storage().data_ptr()) \
-            or time.sleep(0.01) or t
+    def late(serving, region, **kw):  # each take's copy starts late: the reader has time to reuse a buffer too early
+        t = take(serving, region, **kw)
+        buffers.add(t.untyped_storage().data_ptr())
+        time.sleep(0.01)
+        return t
 
+    monkeypatch.setattr(Serving, "take", late)
     rec, stats = _run(llama_dir, consume, serving_options(dict(batch_bytes=4096, batches_ahead=1, backend="ranged")),
-                      watch=lambda: params, ordered=True, spy=spy)
+                      watch=lambda: params)
     for name, t in reference_tensors(llama_dir).items():
         assert params[name].dtype == dtype and torch.equal(params[name], cuts[name](t).to(dtype)), name
     assert rec.replayable and stats.in_place_bytes == 0 and stats.batches > 10
@@ -704,7 +706,7 @@ def test_a_reload_serves_the_new_checkpoint_and_records_afresh_where_a_shape_cha
     model, config = torch.nn.Linear(2, 2), SimpleNamespace(model=llama_dir, model_weights="", revision=None)
     consume, params, _ = tp_consumer(0, 2)
     with RegionReader(open_checkpoint(llama_dir), ServingOptions()) as reads:
-        _, _, _, takes = recorded(consume, lambda: params.values(), reads, ServingOptions(), torch.device("cpu"), None)
+        takes = recorded(consume, lambda: params.values(), reads, ServingOptions(), torch.device("cpu"), None).takes
         keep(model, config, reads.ckpt, takes, sum(p.nbytes for p in params.values()))
     step1 = build_checkpoint("llama", tmp_path / "step1", seed=1)
     got, cuts, line, _ = reload(step1)
