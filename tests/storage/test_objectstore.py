@@ -21,6 +21,8 @@ from benchmarks.s3server import SeaweedFS
 from raylazy.cli import main as cli_main
 from raylazy.core.checkpoint import INDEX_NAME
 from raylazy.core.choices import choose_backend
+from raylazy.core.estimate import figures
+from raylazy.core.hardware import preset
 from raylazy.core.options import ReaderOptions
 from raylazy.core.schedule import rank_schedule, request_runs
 from raylazy.errors import (
@@ -272,6 +274,12 @@ def test_load_from_s3(ray_local, s3, s3_llama, llama_dir, backend):
             assert len(runs) < len(node.stripes) or backend == "exchange"
             assert data == Counter((files[node.stripes[run[0]].file],
                                     f"bytes={node.stripes[run[0]].start}-{node.stripes[run[-1]].end - 1}") for run in runs)
+            if backend == "auto":  # the load-time model counts the GETs the node made
+                hardware = preset("nvme-node").model_dump()
+                hardware["storage"].update(kind="s3", page_cache=False, request_bytes=65536)
+                hardware["node"]["gpus"] = 0
+                fig = figures(loaded.plan, hardware, ranks_per_node=2)
+                assert (fig.nodes[0].backend, fig.nodes[0].requests) == ("cooperative", sum(data.values()))
             assert node.nbytes <= 1.02 * loaded.plan.checkpoint_bytes
         else:  # each rank its own ranges: one request per row with max_gap=0
             assert {s.backend for s in loaded.stats} == {"ranged"}
