@@ -218,8 +218,8 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
             if stop.is_set():
                 return
             s, last = sched.stripes[run[0]], sched.stripes[run[-1]]
-            source = sources[s.file]
-            with reading(source, f"rank {plan.rank} reading stripes {run[0]}-{run[-1]} (bytes {s.start}-{last.end})"):
+            source, which = sources[s.file], f"stripes {run[0]}-{run[-1]}" if run[1:] else f"stripe {run[0]}"
+            with reading(source, f"rank {plan.rank} reading {which} (bytes {s.start}-{last.end})"):
                 if ready.staged:  # each stripe into its room in the shard, or in shared memory (taken first)
                     source.readinto(s.start, [direct[i] if i in direct else ready.reserve(sched.stripes[i])
                                               for i in run])
