@@ -57,9 +57,9 @@ class Served:
 
 
 def replay(serving, copies: list[Copy]) -> None:
-    """Make the recorded copies out of `serving`: in its order (checkpoint order out of the files' mappings) where
-    it reads in that order or no two destinations overlap, else in the order recorded."""
-    if serving.ordered or not overlapping([c.dst for c in copies]):
+    """Make the recorded copies out of `serving`: in its order where it reads in that order (`Serving.ordered`: no
+    two destinations overlap), else in the order recorded."""
+    if serving.ordered:
         copies = sorted(copies, key=lambda c: serving.order(c.region))
     for c in copies:
         c.do(serving.box(c.region))
@@ -216,11 +216,10 @@ def overlapping(tensors: list[torch.Tensor]) -> set[int]:
     return hit
 
 
-def in_place(copies: list[Copy], device: torch.device) -> dict[Region, torch.Tensor]:
+def in_place(copies: list[Copy], device: torch.device, shared: set[int]) -> dict[Region, torch.Tensor]:
     """{region: its destination viewed with the box's sizes} for the regions a replay reads straight into one: the
     first copy of each whose destination holds the box's bytes in order (contiguous, its dtype, on `device`)
-    and overlaps no other destination."""
-    shared = overlapping([c.dst for c in copies])
+    and overlaps no other destination (`shared`: the copies whose do, `overlapping`)."""
     out: dict[Region, torch.Tensor] = {}
     for i, c in enumerate(copies):
         stored = torch_dtype(c.region.tensor.dtype)

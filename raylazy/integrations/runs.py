@@ -47,11 +47,12 @@ def recorded(consume: Callable, targets: Callable[[], Iterable[torch.Tensor]], r
         got = consume(lazy_weights(reads.ckpt, recording))
     recording.check_targets(targets())
     replays = options.replay and recording.replayable
-    out = in_place(recording.copies, device) if replays else {}
+    shared = overlapping([c.dst for c in recording.copies]) if replays else set()
+    out = in_place(recording.copies, device, shared) if replays else {}
     takes = wanted(recording.copies, None if replays else recording.opaque)
-    ordered = replays and not overlapping([c.dst for c in recording.copies])  # a replay in batch order
-    # a replay reads onto the parameters' device; a second run, like vLLM's own loaders, on the CPU
-    with Serving(reads, takes, out, group, device if replays else "cpu", ordered) as serving:
+    # a replay reads onto the parameters' device, in batch order where no two destinations overlap; a second run,
+    # like vLLM's own loaders, on the CPU
+    with Serving(reads, takes, out, group, device if replays else "cpu", replays and not shared) as serving:
         if replays:
             replay(serving, recording.copies)
         else:
