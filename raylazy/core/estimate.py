@@ -25,7 +25,7 @@ from .dtypes import DTYPE_BITS
 from .hardware import Hardware, hardware_from
 from .options import DEFAULT_STRIPE_BYTES
 from .plans import Plan, format_bytes
-from .schedule import PAGE, coalesce, minus, node_schedule, node_union, rank_keeps, request_runs
+from .schedule import PAGE, coalesce, minus, node_schedule, node_union, rank_keeps, request_runs, run_span
 
 LOADERS = ("raylazy", "naive", "vllm")
 #: Reader threads of a rank on local storage (`ReaderOptions.threads`); on network storage, the storage's connections.
@@ -163,10 +163,10 @@ def _together(plan: Plan, hw: Hardware, node: str, ranks: tuple[int, ...], name:
     stripe = hw.storage.request_bytes if hw.storage.network else DEFAULT_STRIPE_BYTES
     staged = name == "cooperative" and not hw.storage.page_cache
     sched = node_schedule(plan, ranks, node, stripe, direct=staged)
-    # staged, a reader's adjacent stripes are one request (`request_runs`)
-    runs = [run for r in ranks for run in request_runs(sched, r)] if staged else [(i,) for i in range(len(sched.stripes))]
-    first, last = [sched.stripes[run[0]] for run in runs], [sched.stripes[run[-1]] for run in runs]
-    read = _storage([(a.file, a.start, b.end) for a, b in zip(first, last)], hw, seen)
+    # a cooperative reader's requests are runs of adjacent stripes (`request_runs`), the exchange's its stripes
+    runs = [run for r in ranks for run in request_runs(sched, r)] if name == "cooperative" else \
+        [(i,) for i in range(len(sched.stripes))]
+    read = _storage([(s.file, s.start, s.end) for s in (run_span(sched, run) for run in runs)], hw, seen)
     if name == "cooperative":  # one page-fault stream a rank; staged, the readers' threads, direct stripes not copied
         streams = dict(depth=min(hw.storage.connections, len(ranks))) if hw.storage.page_cache else {}
         direct = [sched.stripes[i] for i in sched.direct]

@@ -291,6 +291,11 @@ def request_runs(sched: NodeSchedule, rank: int) -> list[tuple[int, ...]]:
     return [tuple(r) for r in runs]
 
 
+def run_span(sched: NodeSchedule, run: tuple[int, ...]) -> Stripe:
+    """The bytes one request of `request_runs` reads: from its first stripe's start to its last one's end."""
+    return sched.stripes[run[0]]._replace(end=sched.stripes[run[-1]].end)
+
+
 def _owned(plan: Plan, ranks: tuple[int, ...], page: int) -> dict[int, list[tuple[int, int, int]]]:
     """file -> sorted, disjoint (start, end, rank): the whole pages inside one contiguous read of `rank` that no
     other of `ranks` needs a byte of (a span never crosses from one read into another)."""

@@ -54,7 +54,7 @@ from itertools import groupby
 
 from ..core.options import ReaderOptions
 from ..core.plans import NodeSchedule, RankPlan
-from ..core.schedule import NodeRead, rank_keeps, request_runs
+from ..core.schedule import NodeRead, rank_keeps, request_runs, run_span
 from ..errors import ConfigurationError, ReadError
 from ..storage import LocalSource, Source, open_planned_files, reading
 from ..storage.verified import check_given_up
@@ -91,13 +91,13 @@ def read_rank_cooperative(
     buffers = shard_buffers(torch, plan, dev, out)
     keeps = rank_keeps(plan, sched)
     mine = sched.read_by(plan.rank)
-    # staged, runs of adjacent stripes are one request each (`request_runs`); else each stripe is populated alone
-    runs = request_runs(sched, plan.rank) if staged else [(i,) for i in mine]
+    # one request each: runs of adjacent stripes (`request_runs`: a stripe alone but beside a direct block)
+    runs = request_runs(sched, plan.rank)
     # this rank's stripe readers (none: the kernel reads); staged, as many as the storage serves requests at once
     threads = min(options.threads if staged else options.stripe_readers, len(runs))
     kept = {k.part.read.file for k in keeps}
     files = (set() if staged else kept) | ({sched.stripes[i].file for i in mine} if threads else set())
-    size = max((sched.stripes[i].end - sched.stripes[i].start for i in mine), default=0)
+    size = max((s.end - s.start for s in (run_span(sched, r) for r in runs)), default=0)
     with ExitStack() as stack:
         # every rank of the node has the same options (the driver gives them one ReaderOptions): all or none use it
         ready = stack.enter_context(_ready_map(node_read.load_id, sched, mine, staged)) \
@@ -217,15 +217,15 @@ def _read_stripes(plan: RankPlan, sched: NodeSchedule, todo, sources: dict, read
         for run in todo:  # next() on a shared list iterator is atomic under the GIL
             if stop.is_set():
                 return
-            s, last = sched.stripes[run[0]], sched.stripes[run[-1]]
-            source, which = sources[s.file], f"stripes {run[0]}-{run[-1]}" if run[1:] else f"stripe {run[0]}"
-            with reading(source, f"rank {plan.rank} reading {which} (bytes {s.start}-{last.end})"):
+            span = run_span(sched, run)
+            source, which = sources[span.file], f"stripes {run[0]}-{run[-1]}" if run[1:] else f"stripe {run[0]}"
+            with reading(source, f"rank {plan.rank} reading {which} (bytes {span.start}-{span.end})"):
                 if ready.staged:  # each stripe into its room in the shard, or in shared memory (taken first)
-                    source.readinto(s.start, [direct[i] if i in direct else ready.reserve(sched.stripes[i])
-                                              for i in run])
-                elif not populate(source, s, maps):
+                    source.readinto(span.start, [direct[i] if i in direct else ready.reserve(sched.stripes[i])
+                                                 for i in run])
+                elif not populate(source, span, maps):
                     view = view or memoryview(bytearray(size))
-                    source.readinto(s.start, [view[: s.end - s.start]])
+                    source.readinto(span.start, [view[: span.end - span.start]])
             for i in run:
                 ready.mark(i)
     finally:

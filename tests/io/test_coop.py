@@ -128,13 +128,14 @@ def run_each_node_cold(plan, options, populate=True) -> dict:
     return results
 
 
-def check_node_reads(plan, node, results: dict, readers: int, was_cold: bool, staged: bool = False) -> None:
+def check_node_reads(plan, node, results: dict, readers: int, was_cold: bool) -> None:
     """What `node`'s rank processes read, measured. Stripe readers: their populate calls (or, before Linux 5.14, their
-    positional reads) cover every page of the node's union once and nothing else, one call per stripe (`staged`: per
-    run of a reader's adjacent stripes, `request_runs`), and the ranks' statistics say as much. Without stripe readers no rank reads data through system calls (only the header
-    checks): the kernel reads on the ranks' page faults, and the page cache makes that once per page. From a
-    cold cache the ranks made storage deliver every page of the union, and at most the files' pages (the
-    kernel's read-around reads beyond the union; for these tiny files, all of them)."""
+    positional reads) cover every page of the node's union once and nothing else, one call per request (a stripe,
+    or a run of adjacent ones: `request_runs`), and the ranks' statistics say as much. Without stripe readers no
+    rank reads data through system calls (only the header checks): the kernel reads on the ranks' page faults, and
+    the page cache makes that once per page. From a cold cache the ranks made storage deliver every page of the
+    union, and at most the files' pages (the kernel's read-around reads beyond the union; for these tiny files, all
+    of them)."""
     seen = [results[r][3] for r in node.ranks]
     stats = [results[r][1] for r in node.ranks]
     union = needed_pages(plan, node.ranks)
@@ -142,8 +143,7 @@ def check_node_reads(plan, node, results: dict, readers: int, was_cold: bool, st
     assert_header_checks_only([c for s in seen for c in s["pread"]], plan)
     if readers:
         assert Counter(pages(calls)) == Counter(union), f"node {node.node}: its readers' calls are not its union once"
-        runs = sum(len(request_runs(node, r)) for r in node.ranks) if staged else len(node.stripes)
-        assert len(calls) == runs == sum(s.requests for s in stats)
+        assert len(calls) == sum(len(request_runs(node, r)) for r in node.ranks) == sum(s.requests for s in stats)
         assert sum(end - start for _, start, end in calls) == sum(s.bytes_read for s in stats)
     else:  # no stripe readers: the statistics' share of the union is bookkeeping, not a read
         assert not calls and sum(s.requests for s in stats) == 0, f"node {node.node}: data read by system calls"
@@ -254,7 +254,7 @@ def test_staged_reads_fetch_the_union_once_into_shared_memory(llama_dir, nodes, 
     results = _ok(run_nodes(plan, ReaderOptions(threads=3), staged=True))
     check_ranks(plan, [results[r][0] for r in range(4)], llama_dir)
     for node in plan.nodes:
-        check_node_reads(plan, node, results, readers=3, was_cold=False, staged=True)
+        check_node_reads(plan, node, results, readers=3, was_cold=False)
         assert not any(results[r][3]["populated"] for r in node.ranks)
         assert bool(node.direct) == direct
         assert sum(results[r][3]["staged"] for r in node.ranks) == node.staged_bytes == node.nbytes - sum(
